@@ -1,0 +1,220 @@
+"""The ``"sdp4bit"`` block of a ds_config, as one pydantic model.
+
+Unknown keys are refused (``extra="forbid"``) with a did-you-mean hint, because a misspelt key that is
+silently ignored would train with defaults the user did not ask for.  Checks that need the rest of the
+ds_config (ZeRO stage, ZeRO++ keys, offload) live in :func:`validate_against_ds_config`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Dict, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BLOCK_KEY = "sdp4bit"
+
+
+class SDP4BitConfigError(ValueError):
+    """A bad ``sdp4bit`` block or a combination of ds_config settings that sdp4bit cannot run."""
+
+
+def _did_you_mean(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_keys(cls, data: Any):
+        # pydantic's own "extra inputs are not permitted" says nothing of what was meant: say it here.
+        if isinstance(data, dict):
+            allowed = set(cls.model_fields)
+            for key in data:
+                if key not in allowed:
+                    raise ValueError(f"unknown key {key!r}{_did_you_mean(str(key), allowed)} "
+                                     f"(allowed: {', '.join(sorted(allowed))})")
+        return data
+
+
+Rounding = Literal["nearest", "stochastic"]
+
+
+class WeightsConfig(_Strict):
+    """qWD: the weight all-gather becomes a 4-bit all-gather of differences to a persistent replica."""
+
+    enabled: bool = True
+    # diff = the paper's qWD; direct = the qW ablation (quantize the weights themselves: known to stall).
+    mode: Literal["diff", "direct"] = "diff"
+    bits: Literal[4, 8] = 4
+    # 2048 is the paper's choice: 4 + 32/2048 = 4.016 bits per value on the wire.
+    group_size: int = Field(2048, ge=32, le=1 << 20)
+    # Nearest is the paper's formula; the error is carried into the next difference either way.
+    rounding: Rounding = "nearest"
+    # node = one replica per node (DeepSpeed hpZ secondary partition kept across steps),
+    # full = every rank keeps all weights (the paper's Megatron setting; no gathers in forward/backward).
+    replica: Literal["node", "full"] = "node"
+
+    @field_validator("group_size")
+    @classmethod
+    def _even(cls, v):
+        if v % 32:
+            raise ValueError(f"weights.group_size must be a multiple of 32 (kernel tiles, int4 packing), got {v}")
+        return v
+
+
+class GradientsConfig(_Strict):
+    """TLq-HS: the gradient reduce-scatter becomes two quantized all-to-alls."""
+
+    enabled: bool = True
+    # 16 = that level is sent unquantized (in the communication dtype).
+    intra_bits: Literal[4, 8, 16] = 8
+    inter_bits: Literal[4, 8, 16] = 4
+    group_size: int = Field(128, ge=32, le=1 << 16)
+    hadamard: bool = True
+    hadamard_size: int = 32
+    # The authors' code rounds gradients stochastically (unbiased); nearest is available for ablations.
+    rounding: Rounding = "stochastic"
+    # Split each bucket so chunk i's inter-node all-to-all overlaps chunk i+1's intra-node one.
+    pipeline_chunks: int = Field(1, ge=1, le=64)
+
+    @field_validator("hadamard_size")
+    @classmethod
+    def _pow2(cls, v):
+        if v < 32 or v > 256 or v & (v - 1):
+            raise ValueError(f"gradients.hadamard_size must be a power of two in 32..256, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _group_vs_hadamard(self):
+        if self.group_size % 32:
+            raise ValueError(f"gradients.group_size must be a multiple of 32, got {self.group_size}")
+        if self.hadamard and self.group_size % self.hadamard_size:
+            raise ValueError(f"gradients.group_size ({self.group_size}) must be a multiple of "
+                             f"gradients.hadamard_size ({self.hadamard_size}): scales are computed over whole "
+                             f"transformed blocks")
+        return self
+
+
+class TopologyConfig(_Strict):
+    # auto = the launcher's LOCAL_WORLD_SIZE; an int lets one host act as several logical nodes.
+    gpus_per_node: Union[Literal["auto"], int] = "auto"
+
+    @field_validator("gpus_per_node")
+    @classmethod
+    def _positive(cls, v):
+        if v != "auto" and (isinstance(v, bool) or int(v) < 1):
+            raise ValueError(f"topology.gpus_per_node must be 'auto' or a positive integer, got {v!r}")
+        return v
+
+
+class SDP4BitConfig(_Strict):
+    """The whole ``"sdp4bit"`` block."""
+
+    enabled: bool = True
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    gradients: GradientsConfig = Field(default_factory=GradientsConfig)
+    topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    kernel_backend: Literal["auto", "cuda", "triton", "torch"] = "auto"
+    # Seeds every stochastic-rounding stream together with (step, rank, bucket, level): reproducible runs.
+    seed: int = Field(1234, ge=0, lt=1 << 32)
+    # Print the per-step communication summary every N optimizer steps on rank 0 (0 = never).
+    summary_interval: int = Field(0, ge=0)
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and (self.weights.enabled or self.gradients.enabled)
+
+
+def _format_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        lines.append(f"  {BLOCK_KEY}.{loc}: {msg}" if loc else f"  {BLOCK_KEY}: {msg}")
+    return "invalid sdp4bit config:\n" + "\n".join(lines)
+
+
+def parse_block(block: Optional[Dict[str, Any]]) -> SDP4BitConfig:
+    """Validate an ``sdp4bit`` block (a dict) into :class:`SDP4BitConfig`."""
+    if block is None:
+        return SDP4BitConfig(enabled=False)
+    if isinstance(block, SDP4BitConfig):
+        return block
+    if not isinstance(block, dict):
+        raise SDP4BitConfigError(f"the {BLOCK_KEY!r} block must be a JSON object, got {type(block).__name__}")
+    try:
+        return SDP4BitConfig.model_validate(block)
+    except ValidationError as e:
+        raise SDP4BitConfigError(_format_error(e)) from None
+
+
+def _normalize(key: str) -> str:
+    return "".join(ch for ch in key.lower() if ch.isalnum())
+
+
+def find_block(ds_config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The ``sdp4bit`` block of a ds_config dict, or None.
+
+    DeepSpeed ignores unknown top-level keys, so a misspelt ``"sdp4bits"`` or ``"SDP4Bit"`` would silently
+    train without SDP4Bit: any top-level key that looks like ours but is not exactly ``sdp4bit`` is an error.
+    """
+    for key in ds_config:
+        if key == BLOCK_KEY:
+            continue
+        norm = _normalize(str(key))
+        if "sdp4" in norm or difflib.SequenceMatcher(None, norm, BLOCK_KEY).ratio() >= 0.75:
+            raise SDP4BitConfigError(f"ds_config has a top-level key {key!r}; did you mean {BLOCK_KEY!r}? "
+                                     f"(DeepSpeed would silently ignore it)")
+    return ds_config.get(BLOCK_KEY)
+
+
+def _get(d: Dict[str, Any], *path, default=None):
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return default
+        d = d[p]
+    return d
+
+
+def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) -> None:
+    """Refuse ds_config combinations that sdp4bit does not support, naming the key."""
+    if not cfg.active:
+        return
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if stage != 3:
+        raise SDP4BitConfigError(f"sdp4bit needs zero_optimization.stage = 3 (sharded data parallelism), "
+                                 f"got {stage}")
+    for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
+        if zero.get(key):
+            raise SDP4BitConfigError(f"zero_optimization.{key} (ZeRO++) cannot be combined with sdp4bit: both "
+                                     f"replace the same collective; remove one of them")
+    for key in ("offload_param", "offload_optimizer"):
+        device = _get(zero, key, "device", default="none")
+        if device not in (None, "none"):
+            raise SDP4BitConfigError(f"zero_optimization.{key}.device={device!r} is not supported by sdp4bit "
+                                     f"yet (the replica and master shards must live on the accelerator); "
+                                     f"use 'none'")
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if cfg.weights.enabled and cfg.weights.replica == "full" and hpz not in (None, 1):
+        raise SDP4BitConfigError(f"sdp4bit.weights.replica='full' keeps all weights on every rank; "
+                                 f"zero_optimization.zero_hpz_partition_size={hpz} makes no sense with it "
+                                 f"(remove it or use replica='node')")
+    gpn = cfg.topology.gpus_per_node
+    if (cfg.weights.enabled and cfg.weights.replica == "node" and hpz not in (None, 1) and gpn != "auto"
+            and hpz != gpn):
+        raise SDP4BitConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} must equal "
+                                 f"sdp4bit.topology.gpus_per_node={gpn} (the replica is one copy per node)")
+
+
+def parse_ds_config(ds_config: Dict[str, Any]) -> SDP4BitConfig:
+    """Find, parse and cross-check the ``sdp4bit`` block of a whole ds_config dict."""
+    cfg = parse_block(find_block(ds_config))
+    validate_against_ds_config(cfg, ds_config)
+    return cfg

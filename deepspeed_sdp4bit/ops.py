@@ -1,0 +1,186 @@
+"""Op dispatch (bitsandbytes style): a torch backend that runs everywhere, CUDA and Triton override it.
+
+The collectives call ``get_backend(config.kernel_backend, device)`` once and then the five ops through the
+returned :class:`Backend`; they never import a kernel module directly, so kernels plug in without touching
+the collectives.  Every backend implements the signatures of the reference ops in ``reference.py`` plus
+optional ``out``/``out_scales`` buffers, so a caller can reuse its buffers across steps.
+
+``auto`` picks, for CUDA tensors, the first available of cuda, triton, torch (and says which, once); for CPU
+tensors it is torch.  A backend asked for by name that cannot run raises with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from . import reference as R
+
+logger = logging.getLogger("deepspeed_sdp4bit")
+
+OP_NAMES = (
+    "hadamard_quantize",             # op 1
+    "dequant_sum_requant",           # op 2
+    "dequant_sum_inverse_hadamard",  # op 3
+    "weight_delta_quantize",         # op 4
+    "dequant_add_",                  # op 5
+)
+BACKEND_NAMES = ("auto", "cuda", "triton", "torch")
+
+
+class Backend:
+    """A named set of the five ops and a probe saying whether it can run on a device."""
+
+    def __init__(self, name: str, ops: Dict[str, Callable], probe: Callable[[torch.device], Tuple[bool, str]]):
+        missing = [n for n in OP_NAMES if n not in ops]
+        if missing:
+            raise ValueError(f"backend {name!r} lacks ops {missing}")
+        self.name = name
+        self._ops = dict(ops)
+        self._probe = probe
+        for n, f in ops.items():
+            setattr(self, n, f)
+
+    def available(self, device: torch.device) -> Tuple[bool, str]:
+        try:
+            return self._probe(torch.device(device))
+        except Exception as e:  # noqa: BLE001 - the reason is reported to the user
+            return False, f"{type(e).__name__}: {e}"
+
+    def __repr__(self):
+        return f"Backend({self.name!r})"
+
+
+def _copy_out(t: torch.Tensor, out: Optional[torch.Tensor], what: str) -> torch.Tensor:
+    if out is None:
+        return t
+    if out.numel() != t.numel() or out.dtype != t.dtype:
+        raise ValueError(f"{what} buffer has {out.numel()} x {out.dtype}, needs {t.numel()} x {t.dtype}")
+    out.view(-1).copy_(t.view(-1))
+    return out
+
+
+# ----- torch backend: the reference ops, with out buffers and device placement -----
+def _t_hadamard_quantize(x, bits, group_size, hadamard_size, rounding="nearest", key=None, offset=0,
+                         swizzle=None, out=None, out_scales=None):
+    p, s = R.hadamard_quantize(x, bits, group_size, hadamard_size, rounding, key, offset, swizzle)
+    return _copy_out(p.to(x.device), out, "out"), _copy_out(s.to(x.device), out_scales, "out_scales")
+
+
+def _t_dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, rounding="nearest", key=None,
+                           offset=0, out_group_size=None, out=None, out_scales=None):
+    p, s = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, rounding, key, offset,
+                                 out_group_size)
+    return _copy_out(p, out, "out"), _copy_out(s, out_scales, "out_scales")
+
+
+def _t_dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard_size,
+                                    out_dtype=torch.float32, post_scale=1.0, out=None):
+    if out is not None:
+        out_dtype = out.dtype
+    y = R.dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard_size, out_dtype, post_scale)
+    if out is not None and out.numel() < y.numel():
+        raise ValueError(f"out has {out.numel()} elements, needs {y.numel()}")
+    if out is not None:
+        out.view(-1)[: y.numel()].copy_(y)
+        return out
+    return y
+
+
+def _t_weight_delta_quantize(master, replica, bits, group_size, rounding="nearest", key=None, offset=0,
+                             mode="diff", out=None, out_scales=None):
+    p, s = R.weight_delta_quantize(master, replica, bits, group_size, rounding, key, offset, mode)
+    return _copy_out(p, out, "out"), _copy_out(s, out_scales, "out_scales")
+
+
+def _t_dequant_add_(replica, payload, scales, bits, group_size, mode="diff"):
+    return R.dequant_add_(replica, payload, scales, bits, group_size, mode)
+
+
+TORCH_BACKEND = Backend(
+    "torch",
+    {
+        "hadamard_quantize": _t_hadamard_quantize,
+        "dequant_sum_requant": _t_dequant_sum_requant,
+        "dequant_sum_inverse_hadamard": _t_dequant_sum_inverse_hadamard,
+        "weight_delta_quantize": _t_weight_delta_quantize,
+        "dequant_add_": _t_dequant_add_,
+    },
+    probe=lambda device: (True, "pure torch, runs on any device"),
+)
+
+# name -> zero-argument factory returning a Backend (import lazily: triton/CUDA may be absent)
+_FACTORIES: Dict[str, Callable[[], Backend]] = {"torch": lambda: TORCH_BACKEND}
+_CACHE: Dict[str, Backend] = {}
+_ANNOUNCED = set()
+
+
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Register a backend factory (called lazily the first time the backend is asked for)."""
+    _FACTORIES[name] = factory
+    _CACHE.pop(name, None)
+
+
+def _load(name: str) -> Backend:
+    if name not in _CACHE:
+        if name not in _FACTORIES:
+            raise ValueError(f"unknown kernel backend {name!r}; known: {sorted(_FACTORIES)}")
+        _CACHE[name] = _FACTORIES[name]()
+    return _CACHE[name]
+
+
+def _try(name: str, device: torch.device) -> Tuple[Optional[Backend], str]:
+    try:
+        b = _load(name)
+    except Exception as e:  # noqa: BLE001 - becomes the reason in the message
+        return None, f"{type(e).__name__}: {e}"
+    ok, why = b.available(device)
+    return (b if ok else None), why
+
+
+def get_backend(name: str = "auto", device="cpu") -> Backend:
+    """The backend to use for tensors on ``device``.
+
+    ``auto``: CUDA tensors get cuda, else triton, else torch; anything else gets torch.  A named backend
+    that cannot run on ``device`` raises ``RuntimeError`` naming the reason (never a silent fallback).
+    """
+    if name not in BACKEND_NAMES and name not in _FACTORIES:
+        raise ValueError(f"sdp4bit.kernel_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    device = torch.device(device)
+    if name != "auto":
+        b, why = _try(name, device)
+        if b is None:
+            raise RuntimeError(f"sdp4bit.kernel_backend={name!r} cannot run on {device}: {why}")
+        return b
+    candidates = ("cuda", "triton", "torch") if device.type == "cuda" else ("torch",)
+    reasons = []
+    for cand in candidates:
+        b, why = _try(cand, device)
+        if b is not None:
+            if (cand, device.type) not in _ANNOUNCED:
+                _ANNOUNCED.add((cand, device.type))
+                skipped = "; ".join(reasons)
+                logger.info("sdp4bit kernel_backend=auto uses %r on %s%s", cand, device.type,
+                            f" (skipped: {skipped})" if skipped else "")
+            return b
+        reasons.append(f"{cand}: {why}")
+    raise RuntimeError(f"no sdp4bit kernel backend can run on {device}: {'; '.join(reasons)}")
+
+
+def _register_builtin_kernels() -> None:
+    """Hook the in-tree kernels into the registry (their modules import lazily)."""
+    def triton_factory():
+        from .kernels import triton_backend
+        return triton_backend.make_backend()
+
+    def cuda_factory():
+        from .kernels import cuda_backend
+        return cuda_backend.make_backend()
+
+    register_backend("triton", triton_factory)
+    register_backend("cuda", cuda_factory)
+
+
+_register_builtin_kernels()

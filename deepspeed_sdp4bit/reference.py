@@ -1,0 +1,421 @@
+"""Reference math for SDP4Bit in pure torch.
+
+Every function here is the *definition* of an op: the CUDA and Triton kernels must reproduce its codes and
+scales bit for bit (nearest and seeded stochastic rounding alike) and its float outputs within rounding.
+All arithmetic is fp32 whatever the input dtype, and the order of every floating-point operation is fixed
+by the docstrings, so that a kernel that follows the same order gets the same bits.
+
+Conventions shared by all ops
+-----------------------------
+* Tensors are flat (1-D).  A "group" is ``group_size`` contiguous elements with one fp32 scale.
+* Symmetric abs-max quantization to ``bits`` in {4, 8}: ``qmax = 2**(bits-1) - 1`` (7 or 127), levels
+  ``-qmax..qmax``.  Per group: ``absmax = max|x|`` (NaN if any element is NaN, inf if any is inf),
+  ``scale = absmax / qmax`` (fp32, IEEE division), ``y = x / scale`` (fp32, IEEE division, element-wise).
+* Rounding of ``y`` to a code:
+    - ``nearest``: half away from zero, ``sign(y) * floor(|y| + 0.5)`` (the ``+ 0.5`` is exact for |y| < 2**22);
+    - ``stochastic``: ``floor(y + u)`` with ``u`` in [0, 1) from :func:`uniform_from_counter` of
+      ``(key, offset + i)``; unbiased: E[code] = y.
+  then clamped to ``[-qmax, qmax]``.  Where ``scale`` is 0 (all-zero group, or absmax so small that
+  absmax/qmax underflows) or ``y`` is not finite, the code is 0.
+* Dequantization is ``float(code) * scale`` (one rounded fp32 multiply, never fused with a following add).
+  A non-finite scale therefore gives a non-finite value for every element of its group (0 * inf = NaN), so
+  an inf/NaN gradient on any rank still shows up as non-finite after the collective (fp16 overflow check).
+* Sizes that are not a multiple of ``group_size`` are zero-padded at the end; codes of the padding are
+  0 and callers trim outputs to the true size, so padding never reaches a result.
+* Wire format ("payload"): bits=8 codes are int8 stored as uint8 bytes; bits=4 codes are packed two per byte,
+  element ``2i`` in the low nibble and ``2i+1`` in the high nibble, each a 4-bit two's complement number.
+* Sums over received chunks are sequential in chunk order, fp32: ``acc = d_0; acc = acc + d_1; ...``.
+* Block Hadamard transform of size ``h`` (power of two): the unnormalized Sylvester matrix ``H_h`` applied to
+  each contiguous block of ``h`` elements, computed by the butterfly below with stages of stride
+  1, 2, 4, ..., h/2; at a stage of stride ``s`` the pair ``(a, b) = (x[i], x[i+s])`` with ``i mod 2s < s``
+  becomes ``(a + b, a - b)``.  ``H_h @ H_h = h * I`` so the inverse is the same butterfly followed by a
+  multiply by ``1/h`` (exact: a power of two).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+ROUNDING_MODES = ("nearest", "stochastic")
+_MASK32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------------------
+def qmax_for_bits(bits: int) -> int:
+    """Largest code magnitude for ``bits`` (4 -> 7, 8 -> 127)."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    return (1 << (bits - 1)) - 1
+
+
+def num_groups(numel: int, group_size: int) -> int:
+    """Number of groups covering ``numel`` elements (the last one zero-padded)."""
+    return -(-numel // group_size)
+
+
+def padded_numel(numel: int, multiple: int) -> int:
+    return num_groups(numel, multiple) * multiple
+
+
+def pad_flat(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``x`` flattened and zero-padded at the end to a multiple of ``multiple`` (no copy if already)."""
+    x = x.reshape(-1)
+    n = padded_numel(x.numel(), multiple)
+    if n == x.numel():
+        return x
+    out = x.new_zeros(n)
+    out[: x.numel()] = x
+    return out
+
+
+def payload_bytes(numel: int, bits: int) -> int:
+    """Bytes of codes for ``numel`` elements (numel even for bits=4)."""
+    if bits == 4:
+        if numel % 2:
+            raise ValueError(f"4-bit payload needs an even number of elements, got {numel}")
+        return numel // 2
+    if bits == 8:
+        return numel
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# counter-based random numbers (identical in torch, CUDA and Triton: 32-bit integer arithmetic only)
+# ----------------------------------------------------------------------------------------------------------
+def _mul32(a: torch.Tensor, b: int) -> torch.Tensor:
+    """(a * b) mod 2**32 for int64 tensors holding uint32 values, without int64 overflow."""
+    lo, hi = b & 0xFFFF, b >> 16
+    return (a * lo + (((a * hi) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """The 'lowbias32' integer hash on uint32 values held in an int64 tensor.
+
+    x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16   (all mod 2**32)
+    """
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def mix32_int(x: int) -> int:
+    """:func:`mix32` on one Python int."""
+    return int(mix32(torch.tensor([x & _MASK32], dtype=torch.int64))[0])
+
+
+def make_key(seed: int, *words: int) -> int:
+    """A uint32 stream key from a seed and any number of integers (step, rank, bucket, level, ...).
+
+    ``k = mix32(seed); for w in words: k = mix32(k ^ (w mod 2**32))``.  Different tuples give independent
+    streams, the same tuple the same stream on every rank and every backend: stochastic rounding is
+    reproducible from (seed, step, tensor offset) and never from a clock.
+    """
+    k = mix32_int(seed)
+    for w in words:
+        k = mix32_int(k ^ (int(w) & _MASK32))
+    return k
+
+
+def uniform_from_counter(key: int, offsets: torch.Tensor) -> torch.Tensor:
+    """fp32 uniforms in [0, 1) for element ``offsets`` (int64) of stream ``key``.
+
+    ``h = mix32((offset mod 2**32) ^ key)``; for offsets >= 2**32 (never for buckets below 4 G elements)
+    additionally ``h = mix32(h ^ (offset >> 32))``; then ``u = (h >> 8) * 2**-24`` (exact in fp32).
+    """
+    offsets = offsets.to(torch.int64)
+    h = mix32((offsets & _MASK32) ^ (key & _MASK32))
+    hi = offsets >> 32
+    if bool((hi != 0).any()):
+        h = torch.where(hi != 0, mix32(h ^ (hi & _MASK32)), h)
+    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# group quantization
+# ----------------------------------------------------------------------------------------------------------
+def group_scales(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """fp32 scales [num_groups] of flat ``x`` (zero-padded): ``absmax / qmax``, NaN/inf propagated."""
+    qmax = qmax_for_bits(bits)
+    xg = pad_flat(x.float(), group_size).view(-1, group_size)
+    absmax = xg.abs().amax(dim=1)  # amax propagates NaN
+    nan = torch.isnan(xg).any(dim=1)
+    absmax = torch.where(nan, torch.full_like(absmax, float("nan")), absmax)
+    return absmax / torch.tensor(float(qmax), dtype=torch.float32)
+
+
+def round_codes(y: torch.Tensor, bits: int, rounding: str, key: Optional[int], offset: int,
+                valid: torch.Tensor) -> torch.Tensor:
+    """Codes (int8) from fp32 ``y = x / scale`` by the rounding rule in the module docstring.
+
+    ``valid`` marks elements whose scale is positive and finite; other codes are 0.
+    """
+    qmax = qmax_for_bits(bits)
+    if rounding == "nearest":
+        r = torch.sign(y) * torch.floor(y.abs() + 0.5)
+    elif rounding == "stochastic":
+        if key is None:
+            raise ValueError("stochastic rounding needs a key (see make_key)")
+        offs = torch.arange(y.numel(), dtype=torch.int64) + int(offset)
+        u = uniform_from_counter(key, offs).view_as(y)
+        r = torch.floor(y + u)
+    else:
+        raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
+    ok = valid & torch.isfinite(r)
+    r = torch.where(ok, r.clamp(-qmax, qmax), torch.zeros_like(r))
+    return r.to(torch.int8)
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group_size: int, rounding: str = "nearest",
+                    key: Optional[int] = None, offset: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Group-wise symmetric abs-max quantization.
+
+    Args:
+        x: any shape, any float dtype; read flat.  Zero-padded to a multiple of ``group_size``.
+        bits: 4 or 8.
+        group_size: elements per scale (even when bits=4).
+        rounding: ``nearest`` or ``stochastic`` (needs ``key``); ``offset`` is the counter of element 0.
+    Returns:
+        codes: int8 [padded_numel], values in [-qmax, qmax] (unpacked; see :func:`pack_codes`);
+        scales: fp32 [num_groups].
+    """
+    if bits == 4 and group_size % 2:
+        raise ValueError(f"4-bit groups must have an even size, got {group_size}")
+    scales = group_scales(x, bits, group_size)
+    xg = pad_flat(x.float(), group_size).view(-1, group_size)
+    s = scales.view(-1, 1)
+    valid = (s > 0) & torch.isfinite(s)
+    y = xg / torch.where(valid, s, torch.ones_like(s))
+    codes = round_codes(y, bits, rounding, key, offset, valid.expand_as(y))
+    return codes.view(-1), scales
+
+
+def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                      numel: Optional[int] = None) -> torch.Tensor:
+    """fp32 values ``float(code) * scale`` [numel] (default: all codes) from int8 codes and fp32 scales."""
+    v = (codes.view(-1, group_size).float() * scales.view(-1, 1).float()).view(-1)
+    return v if numel is None else v[:numel]
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes in [-8, 7] (even count) -> uint8 bytes, element 2i low nibble, 2i+1 high nibble."""
+    c = codes.reshape(-1)
+    if c.numel() % 2:
+        raise ValueError(f"pack_int4 needs an even number of codes, got {c.numel()}")
+    u = c.to(torch.int16) & 0xF
+    return (u[0::2] | (u[1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 bytes [n] -> int8 codes [2n] (sign-extended nibbles)."""
+    p = packed.reshape(-1).to(torch.int16)
+    lo = p & 0xF
+    hi = (p >> 4) & 0xF
+    out = torch.stack([lo, hi], dim=1).view(-1)
+    return torch.where(out >= 8, out - 16, out).to(torch.int8)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes -> payload bytes (uint8): packed for 4 bits, reinterpreted for 8 bits."""
+    if bits == 4:
+        return pack_int4(codes)
+    if bits == 8:
+        return codes.reshape(-1).view(torch.uint8)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def unpack_codes(payload: torch.Tensor, bits: int) -> torch.Tensor:
+    """payload bytes (uint8) -> int8 codes."""
+    if bits == 4:
+        return unpack_int4(payload)
+    if bits == 8:
+        return payload.reshape(-1).view(torch.int8)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hadamard
+# ----------------------------------------------------------------------------------------------------------
+def _check_hadamard_size(h: int) -> None:
+    if h < 2 or h & (h - 1):
+        raise ValueError(f"hadamard size must be a power of two >= 2, got {h}")
+
+
+def hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Unnormalized block Hadamard transform (butterfly order of the module docstring).
+
+    Args: x flat, numel a multiple of ``block``.  Returns fp32 of the same numel.
+    """
+    _check_hadamard_size(block)
+    x = x.reshape(-1).float()
+    if x.numel() % block:
+        raise ValueError(f"numel {x.numel()} is not a multiple of the hadamard size {block}")
+    y = x.view(-1, block)
+    s = 1
+    while s < block:
+        v = y.view(-1, block // (2 * s), 2, s)
+        a, b = v[:, :, 0, :], v[:, :, 1, :]
+        y = torch.stack([a + b, a - b], dim=2).view(-1, block)
+        s *= 2
+    return y.reshape(-1)
+
+
+def inverse_hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Inverse of :func:`hadamard_transform`: the same butterfly, then ``* (1/block)`` (exact)."""
+    return hadamard_transform(x, block) * (1.0 / block)
+
+
+def hadamard_matrix(n: int) -> torch.Tensor:
+    """Sylvester ±1 matrix H_n (fp32), ``H_n @ x`` equals :func:`hadamard_transform` of ``x``."""
+    _check_hadamard_size(n)
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the fused ops the kernels implement (references)
+# ----------------------------------------------------------------------------------------------------------
+def swizzle_segments(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """View flat ``x`` as [rows, cols, seg] segments and return them in [cols, rows, seg] order (a copy)."""
+    seg = x.numel() // (rows * cols)
+    if seg * rows * cols != x.numel():
+        raise ValueError(f"numel {x.numel()} is not divisible into {rows}x{cols} segments")
+    return x.reshape(rows, cols, seg).transpose(0, 1).reshape(-1)
+
+
+def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size: Optional[int],
+                      rounding: str = "nearest", key: Optional[int] = None, offset: int = 0,
+                      swizzle: Optional[Tuple[int, int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Op 1: (optional) block Hadamard, group quantize, payload, in all-to-all order.
+
+    Args:
+        x: flat [n], bf16/fp16/fp32, ``n`` a multiple of ``group_size`` (and of rows*cols*group_size when
+           swizzled); ``group_size`` a multiple of ``hadamard_size``.
+        swizzle: ``(rows, cols)``: x is [rows, cols, seg] segments, output is in [cols, rows, seg] order.
+           The swizzle happens before quantization, so groups and stochastic-rounding offsets are those of
+           the *output* order (element i of the output uses counter ``offset + i``).
+    Returns:
+        payload uint8 [n * bits / 8], scales fp32 [n / group_size].
+    """
+    x = x.reshape(-1)
+    if x.numel() % group_size:
+        raise ValueError(f"numel {x.numel()} must be a multiple of group_size {group_size}")
+    if swizzle is not None:
+        x = swizzle_segments(x, *swizzle)
+    xf = x.float()
+    if hadamard_size:
+        if group_size % hadamard_size:
+            raise ValueError(f"group_size {group_size} must be a multiple of hadamard_size {hadamard_size}")
+        xf = hadamard_transform(xf, hadamard_size)
+    codes, scales = quantize_groups(xf, bits, group_size, rounding, key, offset)
+    return pack_codes(codes, bits), scales
+
+
+def dequant_sum(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """fp32 sum over k chunks: payloads [k, m*bits/8] uint8, scales [k, m/group_size] -> [m].
+
+    Sequential in chunk order: ``acc = deq_0; acc = acc + deq_1; ...``.
+    """
+    k = payloads.shape[0]
+    acc = None
+    for j in range(k):
+        d = dequantize_groups(unpack_codes(payloads[j], bits), scales[j], group_size)
+        acc = d if acc is None else acc + d
+    return acc
+
+
+def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: int, out_bits: int,
+                        group_size: int, rounding: str = "nearest", key: Optional[int] = None,
+                        offset: int = 0, out_group_size: Optional[int] = None
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Op 2: dequantize k chunks, fp32 sum, requantize to ``out_bits``.
+
+    Args:
+        payloads: uint8 [k, m*in_bits/8]; scales: fp32 [k, m/group_size].
+        out_group_size: group size of the output (default ``group_size``).
+    Returns: payload uint8 [m*out_bits/8], scales fp32 [m/out_group_size].
+    """
+    acc = dequant_sum(payloads, scales, in_bits, group_size)
+    codes, s = quantize_groups(acc, out_bits, out_group_size or group_size, rounding, key, offset)
+    return pack_codes(codes, out_bits), s
+
+
+def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                                 hadamard_size: Optional[int], out_dtype: torch.dtype = torch.float32,
+                                 post_scale: float = 1.0) -> torch.Tensor:
+    """Op 3: dequantize k chunks, fp32 sum, inverse Hadamard, scale, cast.
+
+    ``out = cast(butterfly(sum) * fp32(post_scale / hadamard_size))`` where the factor is computed in
+    Python double and rounded once to fp32 (without Hadamard: ``cast(sum * fp32(post_scale))``).
+    Returns ``out_dtype`` [m].
+    """
+    acc = dequant_sum(payloads, scales, bits, group_size)
+    if hadamard_size:
+        acc = hadamard_transform(acc, hadamard_size)
+        factor = post_scale / hadamard_size
+    else:
+        factor = post_scale
+    return (acc * torch.tensor(factor, dtype=torch.float32)).to(out_dtype)
+
+
+def weight_delta_quantize(master: torch.Tensor, replica: torch.Tensor, bits: int, group_size: int,
+                          rounding: str = "nearest", key: Optional[int] = None, offset: int = 0,
+                          mode: str = "diff") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Op 4: the owner's half of qWD, in one pass.  Updates ``replica`` in place.
+
+    Args:
+        master: fp32 [n] (the optimizer's master shard); replica: bf16/fp16/fp32 [n] (the persistent copy).
+        mode: ``diff``: quantize ``delta = master - float(replica)`` and set
+              ``replica = cast(float(replica) + deq)``;  ``direct`` (the paper's qW ablation): quantize
+              ``master`` itself and set ``replica = cast(deq)``.
+    Returns: payload uint8 [padded n * bits / 8], scales fp32 [num_groups].
+    """
+    if master.numel() != replica.numel():
+        raise ValueError(f"master has {master.numel()} elements but replica has {replica.numel()}")
+    if mode == "diff":
+        src = master.reshape(-1).float() - replica.reshape(-1).float()
+    elif mode == "direct":
+        src = master.reshape(-1).float()
+    else:
+        raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
+    codes, scales = quantize_groups(src, bits, group_size, rounding, key, offset)
+    payload = pack_codes(codes, bits)
+    _apply_codes(replica, codes, scales, group_size, add=(mode == "diff"))
+    return payload, scales
+
+
+def _apply_codes(replica: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 add: bool) -> None:
+    n = replica.numel()
+    deq = dequantize_groups(codes, scales, group_size, n)
+    flat = replica.view(-1)
+    new = flat.float() + deq if add else deq
+    flat.copy_(new.to(replica.dtype))
+
+
+def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                 group_size: int, mode: str = "diff") -> torch.Tensor:
+    """Op 5: every receiver's half of qWD: ``replica = cast(float(replica) + deq)`` in place
+    (``mode='direct'``: ``replica = cast(deq)``).  Bit-identical to the owner's update in op 4.
+
+    Args: replica [n] (any float dtype), payload uint8 [padded n * bits / 8], scales fp32 [num_groups].
+    """
+    codes = unpack_codes(payload, bits)
+    if codes.numel() < replica.numel():
+        raise ValueError(f"payload holds {codes.numel()} codes for a replica of {replica.numel()}")
+    _apply_codes(replica, codes, scales, group_size, add=(mode == "diff"))
+    return replica
+
+
+def wire_bits_per_value(bits: int, group_size: int) -> float:
+    """Bits on the wire per value for a quantized level: ``bits + 32 / group_size`` (fp32 scales)."""
+    return bits + 32.0 / group_size

@@ -1,0 +1,140 @@
+"""Nodes x GPUs-per-node over the data-parallel group, injected rather than read from the hardware.
+
+Data-parallel rank ``r`` lives on node ``r // gpus_per_node`` with local index ``r % gpus_per_node``.
+Intra-node groups hold the ranks of one node; inter-node groups hold the ranks with one local index (one
+per node).  Because the shape is given, one host can act as several logical nodes (4 GPUs as 2 x 2) and CPU
+tests can run 2 nodes x 2 ranks with gloo.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TopologyShape:
+    """Pure arithmetic of the layout; no process groups (usable in single-process simulations)."""
+
+    num_nodes: int
+    gpus_per_node: int
+
+    def __post_init__(self):
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"topology needs num_nodes >= 1 and gpus_per_node >= 1, got "
+                             f"{self.num_nodes} x {self.gpus_per_node}")
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def local_of(self, rank: int) -> int:
+        return rank % self.gpus_per_node
+
+    def rank_of(self, node: int, local: int) -> int:
+        return node * self.gpus_per_node + local
+
+    def intra_ranks(self, node: int) -> List[int]:
+        """Data-parallel ranks of one node, by local index."""
+        return [self.rank_of(node, l) for l in range(self.gpus_per_node)]
+
+    def inter_ranks(self, local: int) -> List[int]:
+        """Data-parallel ranks with one local index, by node."""
+        return [self.rank_of(n, local) for n in range(self.num_nodes)]
+
+
+def resolve_gpus_per_node(setting: Union[str, int], world_size: int) -> int:
+    """``gpus_per_node`` from the config: an int, or ``auto`` = the launcher's LOCAL_WORLD_SIZE.
+
+    ``auto`` never looks at ``torch.cuda.device_count()``: the launcher knows how many ranks it started on
+    this host, the hardware does not know how the user wants the job split into nodes.
+    """
+    if setting == "auto":
+        env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+        if env is None:
+            raise ValueError("sdp4bit.topology.gpus_per_node is 'auto' but LOCAL_WORLD_SIZE is not set (the "
+                             "deepspeed launcher and torchrun set it); set gpus_per_node to an integer")
+        gpn = int(env)
+    else:
+        gpn = int(setting)
+    if gpn < 1 or world_size % gpn:
+        raise ValueError(f"sdp4bit.topology.gpus_per_node={gpn} must divide the data-parallel world size "
+                         f"{world_size}")
+    return gpn
+
+
+@dataclass
+class Topology:
+    """The layout over a live data-parallel group, with its intra- and inter-node process groups.
+
+    Build with :meth:`build`; every rank of the world must call it (``new_group`` is collective).
+    """
+
+    shape: TopologyShape
+    rank: int                      # data-parallel rank
+    group: Optional[object]        # the data-parallel group (None = WORLD)
+    global_ranks: List[int]        # global rank of each data-parallel rank
+    intra_group: Optional[object] = field(default=None, repr=False)
+    inter_group: Optional[object] = field(default=None, repr=False)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.shape.num_nodes
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.shape.gpus_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
+
+    @property
+    def node(self) -> int:
+        return self.shape.node_of(self.rank)
+
+    @property
+    def local(self) -> int:
+        return self.shape.local_of(self.rank)
+
+    @classmethod
+    def build(cls, gpus_per_node: Union[str, int], group=None) -> "Topology":
+        """Create the topology over ``group`` (default: WORLD) with subgroups on every rank.
+
+        Only a data-parallel group equal to the world is supported for now: creating the subgroups of several
+        data-parallel groups needs every group's membership, which a model-parallel engine would have to pass.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed must be initialized before building an sdp4bit Topology")
+        world = dist.get_world_size()
+        size = dist.get_world_size(group)
+        if size != world:
+            raise NotImplementedError(
+                f"sdp4bit needs the data-parallel group to be the whole world (got {size} of {world} ranks); "
+                "model parallelism together with sdp4bit is not supported yet")
+        global_ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
+        gpn = resolve_gpus_per_node(gpus_per_node, size)
+        shape = TopologyShape(size // gpn, gpn)
+        rank = dist.get_rank(group)
+        intra = inter = None
+        # Every rank creates every subgroup in the same order (new_group is collective over the world).
+        for node in range(shape.num_nodes):
+            g = dist.new_group([global_ranks[r] for r in shape.intra_ranks(node)])
+            if node == shape.node_of(rank):
+                intra = g
+        for local in range(shape.gpus_per_node):
+            g = dist.new_group([global_ranks[r] for r in shape.inter_ranks(local)])
+            if local == shape.local_of(rank):
+                inter = g
+        return cls(shape=shape, rank=rank, group=group, global_ranks=global_ranks, intra_group=intra,
+                   inter_group=inter)
+
+    def describe(self) -> str:
+        return (f"{self.num_nodes} node(s) x {self.gpus_per_node} rank(s) per node; data-parallel rank "
+                f"{self.rank} = node {self.node}, local {self.local}")

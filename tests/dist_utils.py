@@ -1,0 +1,90 @@
+"""Run a function on N gloo ranks in fresh processes (spawn, file store, no fixed ports).
+
+Usage in a test::
+
+    results = run_distributed(_worker, world_size=4, args=(1, 2))
+
+``_worker(rank, world_size, *args)`` must be a module-level function.  Inside it torch.distributed is
+initialized (gloo, WORLD = all ranks) and the usual launcher variables (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE) are set, with ``local_world_size`` ranks per logical host.  The return values come back
+as a list by rank; an exception on any rank fails the call with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 600
+
+
+def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, env):
+    os.environ.update(env)
+    os.environ.update({
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank % local_world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "LOCAL_SIZE": str(local_world_size),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    })
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result = {"ok": True, "value": None}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        result["value"] = fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        result = {"ok": False, "error": traceback.format_exc()}
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_distributed(fn, world_size: int, args=(), local_world_size: int = None, env=None,
+                    timeout: float = DEFAULT_TIMEOUT_S):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the values by rank."""
+    local_world_size = local_world_size or world_size
+    with tempfile.TemporaryDirectory(prefix="sdp4bit_dist_") as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_entry, args=(r, world_size, fn, args, store, tmp, local_world_size,
+                                                  dict(env or {})))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout} s")
+        results = []
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors.append(f"rank {r} exited with code {procs[r].exitcode} and no result")
+                continue
+            with open(path, "rb") as f:
+                res = pickle.load(f)
+            if not res["ok"]:
+                errors.append(f"rank {r} failed:\n{res['error']}")
+            results.append(res.get("value"))
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results
