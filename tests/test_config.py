@@ -1,0 +1,119 @@
+"""The "sdp4bit" block: defaults, refusals with did-you-mean, cross-checks, and every shipped config."""
+
+import json
+import pathlib
+
+import pytest
+
+from deepspeed_sdp4bit.config import (SDP4BitConfig, SDP4BitConfigError, find_block, parse_block,
+                                      parse_ds_config)
+
+CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
+
+
+def _zero3(**zero):
+    return {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3, **zero}}
+
+
+def test_defaults_follow_the_paper():
+    c = parse_block({})
+    assert c.active and c.weights.mode == "diff" and c.weights.bits == 4 and c.weights.group_size == 2048
+    assert (c.gradients.intra_bits, c.gradients.inter_bits, c.gradients.group_size) == (8, 4, 128)
+    assert c.gradients.hadamard and c.gradients.hadamard_size == 32
+    assert c.topology.gpus_per_node == "auto" and c.kernel_backend == "auto"
+
+
+def test_absent_block_is_inactive():
+    assert not parse_ds_config(_zero3()).active
+
+
+@pytest.mark.parametrize("block, key, hint", [
+    ({"gradient": {}}, "gradient", "gradients"),
+    ({"weights": {"group_sise": 64}}, "group_sise", "group_size"),
+    ({"gradients": {"hadamard_sz": 64}}, "hadamard_sz", "hadamard_size"),
+    ({"kernel_backed": "torch"}, "kernel_backed", "kernel_backend"),
+])
+def test_unknown_keys_name_the_key_and_suggest(block, key, hint):
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_block(block)
+    assert repr(key) in str(e.value) and f"did you mean {hint!r}" in str(e.value)
+
+
+@pytest.mark.parametrize("block, where", [
+    ({"weights": {"bits": 3}}, "weights.bits"),
+    ({"weights": {"mode": "delta"}}, "weights.mode"),
+    ({"weights": {"group_size": 100}}, "weights.group_size"),
+    ({"gradients": {"intra_bits": 2}}, "gradients.intra_bits"),
+    ({"gradients": {"hadamard_size": 48}}, "gradients.hadamard_size"),
+    ({"gradients": {"hadamard_size": 512}}, "gradients.hadamard_size"),
+    ({"gradients": {"group_size": 32, "hadamard_size": 64}}, "multiple of gradients.hadamard_size"),
+    ({"gradients": {"rounding": "up"}}, "gradients.rounding"),
+    ({"gradients": {"pipeline_chunks": 0}}, "gradients.pipeline_chunks"),
+    ({"topology": {"gpus_per_node": 0}}, "topology.gpus_per_node"),
+    ({"kernel_backend": "cutlass"}, "kernel_backend"),
+    ({"seed": -1}, "seed"),
+])
+def test_bad_values_are_refused_with_the_key(block, where):
+    with pytest.raises(SDP4BitConfigError, match=where.replace(".", r"\.")):
+        parse_block(block)
+
+
+def test_group_size_without_hadamard_needs_no_multiple_of_hadamard():
+    c = parse_block({"gradients": {"hadamard": False, "group_size": 96, "hadamard_size": 64}})
+    assert c.gradients.group_size == 96
+
+
+def test_block_must_be_an_object():
+    with pytest.raises(SDP4BitConfigError, match="JSON object"):
+        parse_block([1, 2])
+
+
+@pytest.mark.parametrize("key", ["sdp4bits", "SDP4Bit", "sdp_4bit", "sdp4-bit", "sdpbit4"])
+def test_misspelt_top_level_key_is_not_ignored(key):
+    with pytest.raises(SDP4BitConfigError, match="did you mean 'sdp4bit'"):
+        find_block({**_zero3(), key: {}})
+
+
+def test_unrelated_top_level_keys_pass():
+    assert find_block({**_zero3(), "steps_per_print": 10, "sparse_attention": {}}) is None
+
+
+@pytest.mark.parametrize("zero, match", [
+    ({"stage": 2}, "stage = 3"),
+    ({"zero_quantized_gradients": True}, "zero_quantized_gradients"),
+    ({"zero_quantized_weights": True}, "zero_quantized_weights"),
+    ({"offload_optimizer": {"device": "cpu"}}, "offload_optimizer"),
+    ({"offload_param": {"device": "nvme"}}, "offload_param"),
+])
+def test_unsupported_ds_config_combinations(zero, match):
+    cfg = _zero3()
+    cfg["zero_optimization"].update(zero)
+    cfg["sdp4bit"] = {}
+    with pytest.raises(SDP4BitConfigError, match=match):
+        parse_ds_config(cfg)
+
+
+def test_hpz_must_match_gpus_per_node_for_node_replica():
+    cfg = {**_zero3(zero_hpz_partition_size=4), "sdp4bit": {"topology": {"gpus_per_node": 2}}}
+    with pytest.raises(SDP4BitConfigError, match="zero_hpz_partition_size"):
+        parse_ds_config(cfg)
+    cfg = {**_zero3(zero_hpz_partition_size=2), "sdp4bit": {"weights": {"replica": "full"}}}
+    with pytest.raises(SDP4BitConfigError, match="replica='full'"):
+        parse_ds_config(cfg)
+
+
+def test_disabled_block_skips_cross_checks():
+    cfg = {**_zero3(), "sdp4bit": {"enabled": False}}
+    cfg["zero_optimization"]["stage"] = 2
+    assert not parse_ds_config(cfg).active
+
+
+def test_every_shipped_config_parses():
+    files = sorted(CONFIG_DIR.glob("*.json"))
+    names = {f.stem for f in files}
+    assert {"zero3", "zeropp", "sdp4bit", "qw", "qwd", "ulq", "tlq", "tlq_hs"} <= names, names
+    for f in files:
+        cfg = parse_ds_config(json.loads(f.read_text()))
+        assert isinstance(cfg, SDP4BitConfig)
+        assert cfg.active == ("sdp4bit" in json.loads(f.read_text())), f.name

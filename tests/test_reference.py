@@ -1,0 +1,238 @@
+"""Properties of the reference math (reference.py): the definitions every kernel is checked against."""
+
+import math
+
+import pytest
+import torch
+
+from deepspeed_sdp4bit import reference as R
+
+ODD_SIZES = [1, 7, 127, 1285, 4099]
+
+
+def _heavy(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # StudentT samples from the global generator
+    x = torch.distributions.StudentT(2.0).sample((n,)) if n else torch.empty(0)
+    # a few huge outliers on top of a Student-t body
+    idx = torch.randint(0, max(n, 1), (max(n // 200, 1),), generator=g)
+    if n:
+        x[idx] *= 100
+    return x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n", ODD_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_error_bound_nearest(bits, n, dtype):
+    group = 128
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+    codes, scales = R.quantize_groups(x, bits, group)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float32
+    assert codes.numel() == R.padded_numel(n, group) and scales.numel() == R.num_groups(n, group)
+    qmax = R.qmax_for_bits(bits)
+    assert int(codes.abs().max()) <= qmax
+    y = R.dequantize_groups(codes, scales, group, n)
+    assert y.numel() == n
+    # nearest rounding: |err| <= scale / 2 per element (plus fp32 rounding of the division)
+    per_elem_scale = scales.repeat_interleave(group)[:n]
+    err = (y - x.float()).abs()
+    assert bool((err <= per_elem_scale * (0.5 + 1e-5)).all())
+    # the group's absmax element is represented exactly up to rounding: the top code is used
+    assert int(codes.abs().max()) == qmax
+
+
+def test_padding_never_leaks():
+    x = torch.randn(130)
+    codes, scales = R.quantize_groups(x, 4, 128)
+    assert codes.numel() == 256
+    assert bool((codes[130:] == 0).all())
+    # the padded tail does not change the scale of the last group (abs-max of real elements only)
+    assert torch.equal(scales[1], x[128:].abs().max() / 7)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_all_zero_group_gives_zero_scale_no_nan(bits):
+    x = torch.zeros(300)
+    x[200:] = torch.randn(100)
+    codes, scales = R.quantize_groups(x, bits, 128)
+    assert scales[0] == 0 and bool(torch.isfinite(scales).all())
+    y = R.dequantize_groups(codes, scales, 128, 300)
+    assert bool(torch.isfinite(y).all()) and bool((y[:128] == 0).all())
+
+
+def test_subnormal_absmax_does_not_blow_up():
+    x = torch.full((128,), 1e-42)
+    codes, scales = R.quantize_groups(x, 4, 128)
+    y = R.dequantize_groups(codes, scales, 128)
+    assert bool(torch.isfinite(y).all())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_non_finite_propagates_to_its_group_only(bad, bits):
+    x = torch.randn(384)
+    x[130] = bad
+    codes, scales = R.quantize_groups(x, bits, 128)
+    y = R.dequantize_groups(codes, scales, 128)
+    assert not bool(torch.isfinite(y[128:256]).any())       # the whole group is poisoned
+    assert bool(torch.isfinite(y[:128]).all()) and bool(torch.isfinite(y[256:]).all())
+    assert not math.isfinite(float(scales[1]))
+
+
+def test_int4_packing_identity_and_layout():
+    codes = torch.arange(-8, 8, dtype=torch.int8).repeat(5)
+    packed = R.pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.numel() == codes.numel() // 2
+    assert torch.equal(R.unpack_int4(packed), codes)
+    # element 2i in the low nibble, 2i+1 in the high nibble
+    p = R.pack_int4(torch.tensor([1, -2], dtype=torch.int8))
+    assert int(p[0]) == (1 | (0xE << 4))
+    with pytest.raises(ValueError, match="even"):
+        R.pack_int4(torch.zeros(3, dtype=torch.int8))
+
+
+def test_pack_codes_8bit_is_a_view_of_the_codes():
+    codes = torch.randint(-127, 128, (64,), dtype=torch.int8)
+    assert torch.equal(R.unpack_codes(R.pack_codes(codes, 8), 8), codes)
+
+
+@pytest.mark.parametrize("h", [2, 32, 64, 128, 256])
+def test_hadamard_matrix_orthogonality_and_butterfly(h):
+    H = R.hadamard_matrix(h)
+    assert torch.equal(H @ H.T, h * torch.eye(h))
+    x = torch.randn(3 * h, dtype=torch.float64).float()
+    want = (H.double() @ x.double().view(3, h).T).T.reshape(-1)
+    got = R.hadamard_transform(x, h)
+    assert torch.allclose(got.double(), want, rtol=0, atol=1e-4)
+    back = R.inverse_hadamard_transform(got, h)
+    assert torch.allclose(back, x, rtol=0, atol=1e-5)
+
+
+def test_hadamard_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="power of two"):
+        R.hadamard_transform(torch.zeros(48), 48)
+    with pytest.raises(ValueError, match="multiple"):
+        R.hadamard_transform(torch.zeros(40), 32)
+
+
+def test_hadamard_makes_outliers_cheaper_to_quantize():
+    x = _heavy(128 * 64, seed=3)
+    plain = R.dequantize_groups(*R.quantize_groups(x, 4, 128), 128)
+    p, s = R.hadamard_quantize(x, 4, 128, 32)
+    rot = R.inverse_hadamard_transform(R.dequantize_groups(R.unpack_codes(p, 4), s, 128), 32)
+    assert (rot - x).norm() < 0.8 * (plain - x).norm()
+
+
+def test_counter_rng_is_reproducible_and_uniform():
+    k = R.make_key(7, 3, 1)
+    offs = torch.arange(200_000)
+    u1 = R.uniform_from_counter(k, offs)
+    u2 = R.uniform_from_counter(k, offs)
+    assert torch.equal(u1, u2)
+    assert float(u1.min()) >= 0.0 and float(u1.max()) < 1.0
+    assert abs(float(u1.mean()) - 0.5) < 0.005
+    hist = torch.histc(u1, bins=10, min=0, max=1) / offs.numel()
+    assert float((hist - 0.1).abs().max()) < 0.005
+    # other keys give other streams; offsets beyond 2**32 are handled
+    assert not torch.equal(u1, R.uniform_from_counter(R.make_key(7, 3, 2), offs))
+    big = R.uniform_from_counter(k, offs + (1 << 32))
+    assert not torch.equal(big, u1)
+
+
+def test_mix32_matches_pure_python():
+    def mix(x):
+        m = 0xFFFFFFFF
+        x &= m
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & m
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & m
+        x ^= x >> 16
+        return x
+    vals = [0, 1, 2, 0xFFFFFFFF, 0x12345678, 0x80000000, 99991]
+    got = R.mix32(torch.tensor(vals, dtype=torch.int64)).tolist()
+    assert got == [mix(v) for v in vals]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_stochastic_rounding_is_unbiased_over_seeds(bits):
+    torch.manual_seed(0)
+    x = torch.randn(256)
+    acc = torch.zeros(256, dtype=torch.float64)
+    trials = 400
+    for seed in range(trials):
+        c, s = R.quantize_groups(x, bits, 128, "stochastic", key=R.make_key(seed, 0))
+        acc += R.dequantize_groups(c, s, 128).double()
+    mean = acc / trials
+    scale = float(x.abs().max()) / R.qmax_for_bits(bits)
+    # the std of one SR sample is <= scale/2, so the mean of `trials` is within 5 sigma of x
+    assert float((mean - x.double()).abs().max()) < 5 * 0.5 * scale / math.sqrt(trials)
+    # while nearest rounding has a systematic error of up to scale/2 on some elements
+    cn, sn = R.quantize_groups(x, bits, 128)
+    assert float((R.dequantize_groups(cn, sn, 128) - x).abs().max()) > 0.2 * scale
+
+
+def test_stochastic_rounding_depends_on_offset_and_key_only():
+    x = torch.randn(512)
+    k = R.make_key(1, 2)
+    a = R.quantize_groups(x, 4, 128, "stochastic", key=k, offset=0)[0]
+    b = R.quantize_groups(x, 4, 128, "stochastic", key=k, offset=0)[0]
+    c = R.quantize_groups(x, 4, 128, "stochastic", key=k, offset=512)[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    with pytest.raises(ValueError, match="key"):
+        R.quantize_groups(x, 4, 128, "stochastic")
+
+
+def test_swizzle_is_segment_transpose():
+    x = torch.arange(2 * 3 * 4, dtype=torch.float32)
+    y = R.swizzle_segments(x, 2, 3).view(3, 2, 4)
+    assert torch.equal(y[1, 0], x[4:8]) and torch.equal(y[0, 1], x[12:16])
+
+
+def test_fused_ops_agree_with_their_pieces():
+    torch.manual_seed(1)
+    k, m, g, h = 3, 512, 128, 32
+    chunks = [torch.randn(m) for _ in range(k)]
+    qs = [R.hadamard_quantize(c, 8, g, h) for c in chunks]
+    payloads = torch.stack([p for p, _ in qs])
+    scales = torch.stack([s for _, s in qs])
+    total = R.dequant_sum(payloads, scales, 8, g)
+    p4, s4 = R.dequant_sum_requant(payloads, scales, 8, 4, g)
+    assert torch.equal(R.unpack_codes(p4, 4), R.quantize_groups(total, 4, g)[0])
+    out = R.dequant_sum_inverse_hadamard(p4.unsqueeze(0), s4.unsqueeze(0), 4, g, h, torch.float32, 1 / k)
+    exact = sum(chunks) / k
+    assert float((out - exact).abs().max()) < 0.25 * float(exact.abs().max())
+    assert R.dequant_sum_inverse_hadamard(p4.unsqueeze(0), s4.unsqueeze(0), 4, g, h, torch.bfloat16).dtype \
+        == torch.bfloat16
+
+
+def test_weight_delta_owner_and_receiver_agree_bitwise():
+    torch.manual_seed(2)
+    master = torch.randn(5000)
+    owner = master.to(torch.bfloat16)
+    receiver = owner.clone()
+    for step in range(50):
+        master += 1e-3 * torch.randn(5000)
+        p, s = R.weight_delta_quantize(master, owner, 4, 2048)
+        R.dequant_add_(receiver, p, s, 4, 2048)
+        assert torch.equal(owner, receiver)
+    # error feedback: the replica stays within about one step's quantization error of the master
+    assert float((owner.float() - master).abs().max()) < 2e-2
+
+
+def test_weight_direct_mode_quantizes_the_weights():
+    master = torch.randn(4096)
+    rep = torch.zeros(4096, dtype=torch.bfloat16)
+    p, s = R.weight_delta_quantize(master, rep, 4, 2048, mode="direct")
+    assert torch.equal(rep, R.dequantize_groups(R.unpack_codes(p, 4), s, 2048).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="mode"):
+        R.weight_delta_quantize(master, rep, 4, 2048, mode="delta")
+    with pytest.raises(ValueError, match="elements"):
+        R.weight_delta_quantize(master, rep[:10], 4, 2048)
+
+
+def test_wire_bits():
+    assert R.wire_bits_per_value(4, 2048) == pytest.approx(4.015625)
+    assert R.wire_bits_per_value(8, 128) == 8.25
+    assert R.wire_bits_per_value(4, 128) == 4.25
