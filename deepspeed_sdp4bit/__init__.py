@@ -10,3 +10,5 @@ from .config import SDP4BitConfig, SDP4BitConfigError, parse_block, parse_ds_con
 from .topology import Topology, TopologyShape  # noqa: F401
 from . import reference  # noqa: F401
 from . import ops  # noqa: F401
+from . import integration  # noqa: F401,E402 - checks the DeepSpeed version, installs the hooks
+integration.install()

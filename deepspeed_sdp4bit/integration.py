@@ -1,0 +1,771 @@
+"""The one module that touches DeepSpeed internals: SDP4Bit wired into DeepSpeed 0.19.x ZeRO stage 3.
+
+``install()`` (run by ``import deepspeed_sdp4bit``) patches, once per process:
+
+* ``deepspeed.initialize``: the ds_config (dict or path) goes through :func:`config.parse_ds_config` (a
+  misspelt top-level ``"sdp4bits"``, stage != 3, ZeRO++ keys and offload are refused, naming the key); with an
+  active ``"sdp4bit"`` block the config DeepSpeed sees is adjusted (hpZ size for ``replica="node"``,
+  persistence thresholds for ``replica="full"``) and the returned engine gets an :class:`SDP4BitState`
+  attached to its stage-3 optimizer (``engine.sdp4bit``, ``engine.sdp4bit_summary()``).
+* a handful of ``DeepSpeedZeroOptimizer_Stage3`` methods.  Every patched method first looks for the state of
+  *its own* optimizer instance (``self._sdp4bit``) and runs DeepSpeed's original code when there is none, so
+  plain ZeRO-3 engines in the same process are untouched and two SDP4Bit engines never share state.
+
+What is replaced, and why (details at each patch):
+
+gradients   ``__avg_scatter_grads`` / ``__avg_scatter_contiguous_grads``: DeepSpeed reduce-scatters each
+            bucket of full gradients with ``reduce_scatter_coalesced`` (or all-reduces the contiguous bucket);
+            we send the whole bucket through ONE :class:`GradientReducer.reduce_scatter` (TLq-HS) with the
+            same layout and the same pre/post scaling and dtype casts.
+weights     ``_reassign_or_swap_out_partitioned_parameters``: DeepSpeed copies the fp32 master partition into
+            the bf16 partition after each sub-group's optimizer step; we run :meth:`WeightDeltaAllGather.
+            refresh` instead, which makes the bf16 partition the *owner's replica value* (not bf16(master))
+            and updates every rank's persistent replica with 4-bit weight differences.
+            ``replica="node"``: the replica is DeepSpeed's hpZ secondary tensor (``zero_hpz_partition_size =
+            gpus_per_node``), created up front and never invalidated (``invalidate_secondary_tensor``), so the
+            forward/backward gathers only run inside a node.  ``replica="full"``: every parameter is
+            persistent and its full data lives in a buffer we own; ``_post_step`` re-points ``param.data`` at
+            it instead of all-gathering.
+            Invariant: every replica copy of a partition is bit-identical to the owner's bf16 partition, so
+            anything DeepSpeed still gathers from primary partitions (a param whose secondary was dropped,
+            persistent params at node level) gets the same values.
+overflow    ``has_overflow``: a quantized reduce-scatter need not carry an inf to the owner, so a non-finite
+            local gradient (fp16) is flagged before quantization and OR-ed into DeepSpeed's overflow tracker
+            (which DeepSpeed all-reduces): the step is skipped on every rank, nothing is refreshed.
+checkpoints ``state_dict`` / ``_rigid_load_state_dict`` carry the bf16 replica partitions and our step
+            counter; ``checkpoint_event_epilogue`` re-synchronises every replica exactly (``full_sync``)
+            after a save or a load, so a resumed run continues like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import logging
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .config import SDP4BitConfig, SDP4BitConfigError, parse_ds_config
+from .topology import Topology, resolve_gpus_per_node
+
+logger = logging.getLogger("deepspeed_sdp4bit")
+
+SUPPORTED_DEEPSPEED = "0.19."
+_STATE_ATTR = "_sdp4bit"          # on the stage-3 optimizer instance
+_CKPT_KEY = "sdp4bit"             # our entry in the optimizer state dict
+_INSTALLED = False
+_ORIG: Dict[str, Any] = {}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# version check and installation
+# ----------------------------------------------------------------------------------------------------------
+def check_deepspeed_version(version: Optional[str] = None) -> str:
+    """Raise ImportError unless ``version`` (default: the installed DeepSpeed's) is 0.19.x; return it.
+
+    The patches below replace private methods of ``DeepSpeedZeroOptimizer_Stage3`` whose bodies we mirror;
+    another DeepSpeed release may have changed them, and silently training with a half-applied patch would
+    be far worse than refusing.
+    """
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    if not str(version).startswith(SUPPORTED_DEEPSPEED):
+        raise ImportError(f"deepspeed_sdp4bit supports DeepSpeed {SUPPORTED_DEEPSPEED}x only (it patches "
+                          f"private ZeRO-3 internals), but DeepSpeed {version} is installed")
+    return str(version)
+
+
+def install() -> bool:
+    """Install the hooks (idempotent).  Returns True when DeepSpeed is present and hooked.
+
+    Raises ImportError for an unsupported DeepSpeed version.  Without DeepSpeed installed nothing is hooked
+    (the kernels and collectives remain usable on their own) and a warning says so.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return True
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:  # pragma: no cover - DeepSpeed is a dependency in this project's environment
+        warnings.warn(f"deepspeed_sdp4bit: DeepSpeed is not importable ({e}); the deepspeed.initialize hook "
+                      f"is not installed")
+        return False
+    check_deepspeed_version()
+    import deepspeed
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
+
+    if not getattr(deepspeed.initialize, "_sdp4bit_wrapped", False):
+        _ORIG["initialize"] = deepspeed.initialize
+        deepspeed.initialize = _make_initialize(deepspeed.initialize)
+
+    patches = {
+        "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads": _avg_scatter_grads,
+        "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_contiguous_grads": _avg_scatter_contiguous_grads,
+        "_reassign_or_swap_out_partitioned_parameters": _reassign_or_swap_out_partitioned_parameters,
+        "_post_step": _post_step,
+        "invalidate_secondary_tensor": _invalidate_secondary_tensor,
+        "has_overflow": _has_overflow,
+        "step": _step,
+        "state_dict": _state_dict,
+        "_rigid_load_state_dict": _rigid_load_state_dict,
+        "checkpoint_event_epilogue": _checkpoint_event_epilogue,
+    }
+    for name, factory in patches.items():
+        orig = S3.__dict__.get(name)
+        if orig is None:
+            raise ImportError(f"deepspeed_sdp4bit: DeepSpeedZeroOptimizer_Stage3.{name} not found in DeepSpeed "
+                              f"{deepspeed.__version__}; the integration does not match this release")
+        if getattr(orig, "_sdp4bit_wrapped", False):
+            continue
+        _ORIG[name] = orig
+        wrapped = factory(orig)
+        wrapped._sdp4bit_wrapped = True
+        setattr(S3, name, wrapped)
+    _INSTALLED = True
+    return True
+
+
+def get_state(optimizer) -> Optional["SDP4BitState"]:
+    """The :class:`SDP4BitState` attached to a stage-3 optimizer (or an engine), or None."""
+    for obj in (optimizer, getattr(optimizer, "optimizer", None)):
+        st = getattr(obj, _STATE_ATTR, None)
+        if st is not None:
+            return st
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# deepspeed.initialize
+# ----------------------------------------------------------------------------------------------------------
+def _load_config(config) -> Dict[str, Any]:
+    if isinstance(config, dict):
+        return config
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    return load_ds_config(config)
+
+
+def prepare_ds_config(ds_config: Dict[str, Any], world_size: int) -> Tuple[Dict[str, Any], SDP4BitConfig]:
+    """Validate a ds_config dict and return (the config DeepSpeed should see, the parsed sdp4bit block).
+
+    With an active block the returned dict is a deep copy with:
+    * ``replica="node"`` (several nodes of several ranks): ``zero_hpz_partition_size = gpus_per_node``
+      (DeepSpeed's secondary partition is our node replica); a different explicit value is refused.
+    * ``replica="full"``: ``stage3_param_persistence_threshold`` / ``stage3_model_persistence_threshold``
+      raised so that every parameter is persistent (kept whole on every rank); explicit smaller values are
+      overridden with a warning (they are performance knobs; the replica must hold everything).
+    Raises SDP4BitConfigError / NotImplementedError naming the offending key.
+    """
+    cfg = parse_ds_config(ds_config)
+    if not cfg.active:
+        return ds_config, cfg
+    ds = copy.deepcopy(ds_config)
+    zero = ds.setdefault("zero_optimization", {})
+    if ds.get("sequence_parallel_size", 1) not in (None, 1):
+        raise NotImplementedError("sdp4bit does not support sequence_parallel_size > 1 yet")
+    for key in ("zenflow", "super_offload"):
+        if zero.get(key):
+            raise SDP4BitConfigError(f"zero_optimization.{key} cannot be combined with sdp4bit")
+    if cfg.weights.enabled:
+        try:
+            gpn = resolve_gpus_per_node(cfg.topology.gpus_per_node, world_size)
+        except ValueError as e:
+            raise SDP4BitConfigError(str(e)) from None
+        hpz = zero.get("zero_hpz_partition_size", 1) or 1
+        if cfg.weights.replica == "node":
+            nodes = world_size // gpn
+            if nodes > 1 and gpn == 1:
+                raise NotImplementedError(
+                    "sdp4bit.weights.replica='node' with one rank per node keeps the whole model on every rank: "
+                    "use sdp4bit.weights.replica='full' for that layout")
+            if nodes > 1:
+                if hpz not in (1, gpn):
+                    raise SDP4BitConfigError(
+                        f"zero_optimization.zero_hpz_partition_size={hpz} must equal the ranks per node "
+                        f"({gpn}, sdp4bit.topology.gpus_per_node) for sdp4bit.weights.replica='node'; "
+                        f"remove it and sdp4bit sets it")
+                zero["zero_hpz_partition_size"] = gpn
+            elif hpz != 1:
+                raise SDP4BitConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} with a single node: "
+                                         f"remove it (the node replica is each rank's own partition)")
+        else:
+            big = 1 << 62
+            for key in ("stage3_param_persistence_threshold", "stage3_model_persistence_threshold"):
+                alias = key[len("stage3_"):]
+                for k in (key, alias):
+                    if k in zero and int(zero[k]) < big:
+                        warnings.warn(f"sdp4bit.weights.replica='full' keeps every parameter whole on every "
+                                      f"rank: overriding zero_optimization.{k}={zero[k]}")
+                    zero.pop(k, None)
+                zero[key] = big
+    return ds, cfg
+
+
+def _make_initialize(orig_initialize):
+    sig = inspect.signature(orig_initialize)
+
+    @functools.wraps(orig_initialize)
+    def initialize(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        a = bound.arguments
+        cli_args = a.get("args")
+        config = a.get("config")
+        if config is None and a.get("config_params") is not None:
+            config = a.pop("config_params")
+        from_cli = config is None and getattr(cli_args, "deepspeed_config", None) is not None
+        if from_cli:
+            config = cli_args.deepspeed_config
+        if config is None:
+            return orig_initialize(*bound.args, **bound.kwargs)
+        ds_config = _load_config(config)
+        # Validate before DeepSpeed does anything (a misspelt key must fail fast, on every rank alike).
+        parse_ds_config(ds_config)
+        import deepspeed.comm as ds_dist
+        from deepspeed.accelerator import get_accelerator
+
+        # DeepSpeed would initialize torch.distributed itself a few lines later; doing it first (same
+        # arguments, idempotent) lets us size the topology before the config is handed over.
+        init_kwargs = {"dist_backend": get_accelerator().communication_backend_name()}
+        if "distributed_port" in a:
+            init_kwargs["distributed_port"] = a["distributed_port"]
+        if "dist_init_required" in a:
+            init_kwargs["dist_init_required"] = a["dist_init_required"]
+        ds_dist.init_distributed(**init_kwargs)
+        import torch.distributed as tdist
+
+        new_config, cfg = prepare_ds_config(ds_config, tdist.get_world_size())
+        if not cfg.active:
+            return orig_initialize(*bound.args, **bound.kwargs)
+        mpu = a.get("mpu")
+        if mpu is not None and mpu.get_data_parallel_world_size() != tdist.get_world_size():
+            raise NotImplementedError(
+                f"sdp4bit needs the data-parallel group to be the whole world; the mpu gives "
+                f"{mpu.get_data_parallel_world_size()} of {tdist.get_world_size()} ranks (model parallelism "
+                f"together with sdp4bit is not supported yet)")
+        model = a.get("model")
+        from deepspeed.pipe import PipelineModule
+
+        if isinstance(model, PipelineModule):
+            raise NotImplementedError("sdp4bit does not support pipeline parallelism (PipelineModule) yet")
+        if from_cli:
+            cli_args = copy.copy(cli_args)
+            cli_args.deepspeed_config = None
+            a["args"] = cli_args
+        a["config"] = new_config
+        _prepare_hpz_group(new_config)
+        result = orig_initialize(*bound.args, **bound.kwargs)
+        attach(result[0], cfg)
+        return result
+
+    initialize._sdp4bit_wrapped = True
+    return initialize
+
+
+def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:
+    """Let a second engine in the process build its own hpZ group when the cached one has another size.
+
+    DeepSpeed keeps ONE module-level hpZ group and reuses it for every later engine; a cached group of a
+    different size would silently give the new engine the wrong secondary layout.
+    """
+    from deepspeed.utils import groups
+    import torch.distributed as tdist
+
+    hpz = (ds_config.get("zero_optimization") or {}).get("zero_hpz_partition_size", 1) or 1
+    cached = groups._get_zero_param_intra_parallel_group()
+    if cached is not None and hpz > 1 and tdist.get_world_size(cached) != hpz:
+        groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the per-optimizer state
+# ----------------------------------------------------------------------------------------------------------
+class SDP4BitState:
+    """SDP4Bit attached to one ``DeepSpeedZeroOptimizer_Stage3`` instance (``engine.sdp4bit``).
+
+    Attributes:
+        cfg: the parsed :class:`SDP4BitConfig`.
+        topology: the :class:`Topology` over the optimizer's data-parallel group.
+        reducer: the :class:`GradientReducer` (None when gradients are disabled).
+        weights: the :class:`WeightDeltaAllGather` (None when weights are disabled).
+        level: ``"node"`` / ``"full"`` (weights) or None.
+        step: optimizer steps taken (skipped overflow steps included): the stochastic-rounding step word.
+        bucket: reduce-scatter calls since the last optimizer step: the bucket word.
+        last_summary: :meth:`summary` of the last step.
+    """
+
+    def __init__(self, optimizer, cfg: SDP4BitConfig):
+        from .collectives.gradients import GradientReducer
+        from .collectives.weights import WeightDeltaAllGather
+
+        self.cfg = cfg
+        self.topology = Topology.build(cfg.topology.gpus_per_node, group=optimizer.dp_process_group)
+        self.reducer = (GradientReducer(self.topology, cfg.gradients, cfg.seed, backend=cfg.kernel_backend)
+                        if cfg.gradients.enabled else None)
+        self.weights = None
+        self.level = None
+        if cfg.weights.enabled:
+            self.level = cfg.weights.replica
+            self.weights = WeightDeltaAllGather(self.topology, cfg.weights, cfg.seed, backend=cfg.kernel_backend,
+                                                level=self.level)
+        self.step = 0
+        self.bucket = 0
+        self.nonfinite: Optional[torch.Tensor] = None   # fp16: bool [] "a local gradient was not finite"
+        self.last_summary: Dict[str, Any] = {}
+        self._prev = self._cumulative()
+        # Per sub-group: [(param, offset in the flat partition, partition numel P)].
+        self.layout: List[List[Tuple[torch.nn.Parameter, int, int]]] = []
+        for group in optimizer.fp16_groups:
+            off, items = 0, []
+            for p in group:
+                P = p.partition_numel()
+                items.append((p, off, P))
+                off += P
+            self.layout.append(items)
+        self.replica: Dict[int, torch.Tensor] = {}   # full level: id(param) -> bf16 [ds_numel]
+        self._replica_params: List[torch.nn.Parameter] = []
+
+    # -- gradients ----------------------------------------------------------------------------------------
+    def reduce_grads(self, opt, params, grads, communication_data_type) -> List[torch.Tensor]:
+        """DeepSpeed's ``__avg_scatter_grads`` with the coalesced reduce-scatter replaced by TLq-HS.
+
+        grads: full gradients [numel_i] of ``params`` (one bucket, same order on every rank).  Returns one
+        1-D partition per gradient (``reduce_scatter_coalesced``'s layout, possibly shorter than the
+        partition on the last ranks) in ``opt.gradient_accumulation_dtype``.
+        """
+        import deepspeed.comm as dist
+
+        process_group = opt._get_param_partition_group(params[0])
+        world = dist.get_world_size(group=process_group)
+        if world != self.topology.world_size:
+            raise RuntimeError(f"sdp4bit: parameter partition group has {world} ranks, the topology "
+                               f"{self.topology.world_size}")
+        if communication_data_type != opt.dtype:
+            grads = [g.to(communication_data_type) for g in grads]
+        if opt.postscale_gradients and opt.gradient_predivide_factor != 1.0:
+            grads = [g.div(opt.gradient_predivide_factor) for g in grads]
+        if opt.dtype == torch.float16:
+            # DeepSpeed finds fp16 overflows in the *reduced* partitions; a quantizer may turn an inf into
+            # finite garbage on the way, so look at the local inputs while they are still exact.  The flag
+            # stays on the device (no host sync here); has_overflow folds it into DeepSpeed's tracker.
+            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
+            self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
+        parts = self.reducer.reduce_scatter(grads, op="mean", step=self.step, bucket_id=self.bucket)
+        self.bucket += 1
+        if (opt.postscale_gradients and opt.gradient_predivide_factor != 1.0
+                and opt.gradient_predivide_factor != world):
+            parts = [g.mul(opt.gradient_predivide_factor) for g in parts]
+        averaging = opt._gradient_averaging_world_size(params, world)
+        if averaging != world:
+            scale = world / float(averaging)
+            parts = [g.mul(scale) for g in parts]
+        if communication_data_type != opt.gradient_accumulation_dtype:
+            parts = [g.to(opt.gradient_accumulation_dtype) for g in parts]
+        return parts
+
+    # -- weights ------------------------------------------------------------------------------------------
+    def _node_replica_active(self) -> bool:
+        return self.level == "node" and self.topology.num_nodes > 1
+
+    def _ensure_secondary(self, p) -> torch.Tensor:
+        """The hpZ secondary tensor of ``p`` (created here if DeepSpeed has not made it yet).
+
+        DeepSpeed creates it lazily when a gathered parameter is released (``_partition_param_sec``) and
+        drops it after every step; we create it up front (zero padding, like DeepSpeed) so the replica exists
+        from the first forward on.
+        """
+        from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+        S = p.partition_numel() * self.topology.num_nodes
+        sec = p.ds_secondary_tensor
+        if sec is None or sec.numel() != S or sec.dtype != p.ds_tensor.dtype:
+            sec = torch.zeros(S, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+            sec.requires_grad = False
+            sec.ds_numel = S
+            sec.status = PartitionedParamStatus.AVAILABLE
+            sec.final_location = None
+            p.ds_secondary_tensor = sec
+        return sec
+
+    def _dst(self, sub_group_id: int) -> Dict[int, list]:
+        """Destination views of every kept source's flat partition of one sub-group (see weights.refresh)."""
+        me = self.topology.rank
+        dst: Dict[int, list] = {s: [] for s in self.weights.sources_needed() if s != me}
+        if self.level == "full":
+            for p, off, P in self.layout[sub_group_id]:
+                buf, n = self.replica[id(p)], p.ds_numel
+                for s in range(self.topology.world_size):
+                    lo = s * P
+                    if lo >= n:
+                        break
+                    dst.setdefault(s, []).append((buf[lo:min(lo + P, n)], off))
+        elif self._node_replica_active():
+            # DeepSpeed's secondary partition of local rank l covers primary partitions l*N .. l*N+N-1.
+            N, l = self.topology.num_nodes, self.topology.local
+            for p, off, P in self.layout[sub_group_id]:
+                sec = self._ensure_secondary(p)
+                for j in range(N):
+                    dst.setdefault(l * N + j, []).append((sec[j * P:(j + 1) * P], off))
+        # node level on one node: every rank keeps only its own partition (own_flat itself): nothing to add.
+        return dst
+
+    def refresh(self, opt, sub_group_id: int) -> None:
+        """After the optimizer step of one sub-group: qWD instead of DeepSpeed's fp32 -> bf16 copy."""
+        own = opt.fp16_partitioned_groups_flat[sub_group_id]
+        master = opt.fp32_partitioned_groups_flat[sub_group_id]
+        if own.numel():
+            self.weights.refresh(master, own, self._dst(sub_group_id), step=self.step, bucket_id=sub_group_id)
+
+    def _zero_padding(self, opt) -> None:
+        """Zero the alignment padding of the flat partitions (DeepSpeed leaves it uninitialized).
+
+        A NaN there would poison the absmax of its quantization group; zeros stay zero (zero gradient, and
+        Adam with weight decay keeps 0 at 0).
+        """
+        rank = self.topology.rank
+        for i, items in enumerate(self.layout):
+            for flat in (opt.fp16_partitioned_groups_flat[i], opt.fp32_partitioned_groups_flat[i]):
+                for p, off, P in items:
+                    real = max(0, min(P, p.ds_numel - rank * P))
+                    if real < P:
+                        flat.data[off + real:off + P].zero_()
+
+    def resync(self, opt) -> None:
+        """Exact re-synchronisation of every replica from the owners' bf16 partitions (collective)."""
+        if self.weights is None:
+            return
+        opt._partition_all_parameters()
+        if self.level == "full" and not self.replica:
+            for items in self.layout:
+                for p, _, _ in items:
+                    self.replica[id(p)] = torch.empty(p.ds_numel, dtype=p.ds_tensor.dtype,
+                                                      device=p.ds_tensor.device)
+                    self._replica_params.append(p)
+        for i in range(len(self.layout)):
+            own = opt.fp16_partitioned_groups_flat[i]
+            self.weights.full_sync(own, self._dst(i), bucket_id=i)
+        self.point_params()
+
+    def point_params(self) -> None:
+        """Full level: make each parameter's data the replica buffer (what DeepSpeed's gather would make)."""
+        if self.level != "full":
+            return
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        for p in self._replica_params:
+            if p.ds_status == ZeroParamStatus.INFLIGHT:
+                raise RuntimeError(f"sdp4bit: parameter {p.ds_id} is being gathered while its replica is "
+                                   f"re-pointed")
+            p.data = self.replica[id(p)].view(p.ds_shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
+
+    # -- accounting ---------------------------------------------------------------------------------------
+    def _cumulative(self) -> Dict[str, Dict[str, Any]]:
+        out = {}
+        for name, coll in (("gradients", self.reducer), ("weights", self.weights)):
+            if coll is not None:
+                out[name] = {"bytes_by_level": dict(coll.stats.bytes_by_level),
+                             "baseline_bytes": coll.stats.baseline_bytes}
+        return out
+
+    def end_step(self, opt) -> None:
+        """Bookkeeping after each ``optimizer.step()`` (overflow-skipped steps included)."""
+        cur = self._cumulative()
+        summary: Dict[str, Any] = {"step": self.step, "skipped": bool(getattr(opt, "overflow", False))}
+        total = base = 0
+        for name, c in cur.items():
+            p = self._prev.get(name, {"bytes_by_level": {}, "baseline_bytes": 0})
+            levels = {k: v - p["bytes_by_level"].get(k, 0) for k, v in c["bytes_by_level"].items()}
+            b = c["baseline_bytes"] - p["baseline_bytes"]
+            sent = sum(levels.values())
+            summary[name] = {"bytes_by_level": levels, "bytes": sent, "baseline_bytes": b,
+                             "compression": (b / sent) if sent else None}
+            total += sent
+            base += b
+        summary["bytes"] = total
+        summary["baseline_bytes"] = base
+        summary["compression"] = (base / total) if total else None
+        self.last_summary = summary
+        self._prev = cur
+        self.step += 1
+        self.bucket = 0
+        self.nonfinite = None
+        every = self.cfg.summary_interval
+        if every and self.step % every == 0 and self.topology.rank == 0:
+            print(f"[sdp4bit] {format_summary(summary)}", flush=True)
+
+    def summary(self) -> Dict[str, Any]:
+        """Bytes this rank sent in the last optimizer step, per collective and level, vs the baseline.
+
+        ``{"step", "skipped", "gradients": {"bytes_by_level", "bytes", "baseline_bytes", "compression"},
+        "weights": {...}, "bytes", "baseline_bytes", "compression"}``.  The gradient baseline is the bf16
+        ring reduce-scatter ZeRO-3 would run on the same buckets; the weight baseline is the same replica
+        refresh sent unquantized (ZeRO-3's own forward/backward gathers of the replica are not counted).
+        """
+        return copy.deepcopy(self.last_summary)
+
+
+def format_summary(s: Dict[str, Any]) -> str:
+    """One line for a :meth:`SDP4BitState.summary` dict."""
+    parts = [f"step {s.get('step')}" + (" (skipped)" if s.get("skipped") else "")]
+    for name in ("gradients", "weights"):
+        if name in s:
+            d = s[name]
+            lv = ", ".join(f"{k} {v} B" for k, v in sorted(d["bytes_by_level"].items()))
+            ratio = f"{d['compression']:.2f}x" if d["compression"] else "-"
+            parts.append(f"{name}: {lv or 'nothing'} (baseline {d['baseline_bytes']} B, {ratio})")
+    return "; ".join(parts)
+
+
+def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
+    """Attach SDP4Bit to ``engine``'s stage-3 optimizer; returns the state (also ``engine.sdp4bit``)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    opt = engine.optimizer
+    if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
+        raise NotImplementedError(f"sdp4bit needs DeepSpeed's ZeRO stage-3 optimizer, the engine has "
+                                  f"{type(opt).__name__} (no optimizer, or an unsupported wrapper)")
+    if getattr(opt, _STATE_ATTR, None) is not None:
+        raise RuntimeError("sdp4bit is already attached to this optimizer")
+    for attr, what in (("offload_optimizer", "zero_optimization.offload_optimizer"),
+                       ("offload_param", "zero_optimization.offload_param"),
+                       ("swap_optimizer", "optimizer NVMe swapping")):
+        if getattr(opt, attr, False):
+            raise SDP4BitConfigError(f"{what} is not supported by sdp4bit")
+    if getattr(opt, "all2all_process_group", None) is not None:
+        raise SDP4BitConfigError("zero_optimization.zero_quantized_gradients (ZeRO++) cannot be combined with "
+                                 "sdp4bit")
+    if getattr(opt, "zenflow", False) or getattr(opt, "use_muon", False):
+        raise NotImplementedError("sdp4bit does not support ZenFlow or the Muon optimizer with ZeRO-3")
+    if getattr(opt, "sequence_parallel_size", 1) != 1:
+        raise NotImplementedError("sdp4bit does not support sequence parallelism yet")
+    if getattr(opt, "autoep_folding_tp_group", None) is not None:
+        raise NotImplementedError("sdp4bit does not support AutoEP / AutoTP folding yet")
+    state = SDP4BitState(opt, cfg)
+    if state.weights is not None:
+        hpz = getattr(opt, "zero_hpz_partition_size", 1)
+        want = state.topology.gpus_per_node if state._node_replica_active() else 1
+        if hpz != want:
+            raise SDP4BitConfigError(f"zero_optimization.zero_hpz_partition_size is {hpz} but sdp4bit "
+                                     f"weights.replica={state.level!r} needs {want}")
+        if state._node_replica_active():
+            # A model partitioned earlier by a user-side deepspeed.zero.Init without hpZ keeps that Init's
+            # (hpZ-less) gather code: it would gather our secondary tensors over the wrong group.
+            foreign = [p.ds_id for items in state.layout for p, _, _ in items
+                       if getattr(p, "ds_zero_param_process_group", None) is None]
+            if foreign:
+                raise SDP4BitConfigError(
+                    "the model was partitioned by deepspeed.zero.Init without zero_hpz_partition_size; build it "
+                    "with the config from deepspeed_sdp4bit.integration.prepare_ds_config(ds_config, "
+                    "world_size)[0] (it sets zero_hpz_partition_size = gpus_per_node), or use "
+                    "sdp4bit.weights.replica='full'")
+        if state.level == "full":
+            small = [p.ds_id for items in state.layout for p, _, _ in items if not p.ds_persist]
+            if small:
+                raise SDP4BitConfigError("sdp4bit.weights.replica='full' needs every parameter persistent "
+                                         "(stage3_param_persistence_threshold); use deepspeed.initialize "
+                                         "after importing deepspeed_sdp4bit so the config is adjusted")
+        state._zero_padding(opt)
+    setattr(opt, _STATE_ATTR, state)
+    # Start from exact replicas: DeepSpeed built them from the initial bf16 weights, but a resync makes the
+    # invariant (replica == owner's bf16 partition, bit for bit) hold by construction.
+    state.resync(opt)
+    engine.sdp4bit = state
+    engine.sdp4bit_summary = state.summary
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the patched DeepSpeedZeroOptimizer_Stage3 methods
+# ----------------------------------------------------------------------------------------------------------
+def _active(self):
+    return getattr(self, _STATE_ATTR, None)
+
+
+def _avg_scatter_grads(orig):
+    # DeepSpeed: cast the bucket's full grads to the communication dtype, optional pre-division,
+    # reduce_scatter_coalesced (pre-divides by the world size and sums), optional post-multiplication,
+    # averaging-world-size correction, cast to the accumulation dtype.  We keep every scaling step and swap
+    # only the collective for ONE TLq-HS call over the whole bucket.
+    @functools.wraps(orig)
+    def __avg_scatter_grads(self, params_to_reduce, communication_data_type):
+        st = _active(self)
+        if st is None or st.reducer is None:
+            return orig(self, params_to_reduce, communication_data_type)
+        self._assert_same_partition_group(params_to_reduce)
+        return st.reduce_grads(self, params_to_reduce, [p.grad for p in params_to_reduce],
+                               communication_data_type)
+
+    return __avg_scatter_grads
+
+
+def _avg_scatter_contiguous_grads(orig):
+    # DeepSpeed (reduce_scatter=False with contiguous gradients): all-reduce the whole contiguous bucket and
+    # slice each rank's partitions out of it.  An all-reduce sends every value to everyone; we route the
+    # bucket through the same quantized reduce-scatter as the other path (grads are views of the buffer,
+    # same order on every rank), which returns exactly the slices DeepSpeed would have taken.
+    @functools.wraps(orig)
+    def __avg_scatter_contiguous_grads(self, buffer_to_reduce, communication_data_type):
+        st = _active(self)
+        if st is None or st.reducer is None:
+            return orig(self, buffer_to_reduce, communication_data_type)
+        params = self.ipg_buckets[communication_data_type].params
+        self._assert_same_partition_group(params)
+        grads, off = [], 0
+        for p in params:
+            n = p.grad.numel()
+            grads.append(buffer_to_reduce.narrow(0, off, n))
+            off += n
+        return st.reduce_grads(self, params, grads, communication_data_type)
+
+    return __avg_scatter_contiguous_grads
+
+
+def _reassign_or_swap_out_partitioned_parameters(orig):
+    # DeepSpeed: copy the fp32 master partition of the sub-group into the bf16 partition and re-point the
+    # params' ds_tensor at it; the replicas are rebuilt later by full all-gathers.  We run the qWD refresh:
+    # the bf16 partition becomes the owner's replica value and every replica is updated with 4-bit deltas.
+    @functools.wraps(orig)
+    def _reassign(self, sub_group_id):
+        st = _active(self)
+        if st is None or st.weights is None or self.fp16_partitioned_groups_flat[sub_group_id] is None:
+            return orig(self, sub_group_id)
+        st.refresh(self, sub_group_id)
+        self._unflatten_partitioned_parameters(sub_group_id)
+
+    return _reassign
+
+
+def _post_step(orig):
+    # DeepSpeed: all-gather the persistent params from their (new) partitions, then drop the hpZ secondary
+    # tensors.  Full level: the replica buffers already hold the new weights, so the params are re-pointed
+    # at them instead of gathered (only params outside the optimizer are left to DeepSpeed's gather).  Node
+    # level: invalidate_secondary_tensor is a no-op for us (patched below); persistent params are gathered
+    # by DeepSpeed from the refreshed secondaries, which equal the owners' partitions.
+    @functools.wraps(orig)
+    def _post(self, timer_names):
+        st = _active(self)
+        if st is None or st.level != "full":
+            return orig(self, timer_names)
+        saved = self.persistent_parameters
+        ours = {id(p) for p in st._replica_params}
+        self.persistent_parameters = [p for p in saved if id(p) not in ours]
+        try:
+            orig(self, timer_names)
+        finally:
+            self.persistent_parameters = saved
+        st.point_params()
+
+    return _post
+
+
+def _invalidate_secondary_tensor(orig):
+    # DeepSpeed drops every hpZ secondary tensor after each step (they hold last step's weights) and rebuilds
+    # them from a full gather in the next forward.  Our secondaries ARE the refreshed node replica: keep them.
+    @functools.wraps(orig)
+    def invalidate_secondary_tensor(self):
+        st = _active(self)
+        if st is not None and st._node_replica_active():
+            return None
+        return orig(self)
+
+    return invalidate_secondary_tensor
+
+
+def _has_overflow(orig):
+    # DeepSpeed checks the reduced gradient partitions for inf/nan and all-reduces the flag; we OR in the
+    # flag raised on the exact local gradients before quantization (see SDP4BitState.reduce_grads).
+    @functools.wraps(orig)
+    def has_overflow(self, partition_gradients=True):
+        st = _active(self)
+        if st is not None and st.nonfinite is not None:
+            if not partition_gradients:
+                raise NotImplementedError("sdp4bit: overflow check without partitioned gradients")
+            flag = st.nonfinite.to(self.inf_or_nan_tracker.device).view(1)
+            if hasattr(self.inf_or_nan_tracker, "logical_or_"):
+                self.inf_or_nan_tracker.logical_or_(flag)
+            else:
+                self.inf_or_nan_tracker = (self.inf_or_nan_tracker + flag) > 0
+        return orig(self, partition_gradients)
+
+    return has_overflow
+
+
+def _step(orig):
+    # The whole DeepSpeed step runs unchanged (our pieces are hooked inside it); afterwards we advance the
+    # step counter of the rounding streams and record the communication summary.  An fp16 overflow returns
+    # early from DeepSpeed's step, before any refresh: the replicas stay as they were.
+    @functools.wraps(orig)
+    def step(self, *args, **kwargs):
+        st = _active(self)
+        if st is None:
+            return orig(self, *args, **kwargs)
+        result = orig(self, *args, **kwargs)
+        st.end_step(self)
+        return result
+
+    return step
+
+
+def _state_dict(orig):
+    # DeepSpeed saves the fp32 partitions and restores bf16 = bf16(fp32) on load; with qWD the bf16
+    # partition is the replica value (bf16(master) minus the not-yet-sent quantization residual), so we save
+    # it too, with the step counter of the rounding streams.
+    @functools.wraps(orig)
+    def state_dict(self):
+        sd = orig(self)
+        st = _active(self)
+        if st is not None:
+            extra = {"step": st.step}
+            if st.weights is not None:
+                extra["replica_partitions"] = [f.detach().clone() for f in self.fp16_partitioned_groups_flat]
+            sd[_CKPT_KEY] = extra
+        return sd
+
+    return state_dict
+
+
+def _rigid_load_state_dict(orig):
+    @functools.wraps(orig)
+    def _rigid_load(self, state_dict, load_optimizer_states=True):
+        orig(self, state_dict, load_optimizer_states=load_optimizer_states)
+        st = _active(self)
+        extra = state_dict.get(_CKPT_KEY) if isinstance(state_dict, dict) else None
+        if st is None or extra is None:
+            return
+        st.step = int(extra.get("step", st.step))
+        saved = extra.get("replica_partitions")
+        if st.weights is not None and saved is not None:
+            flats = self.fp16_partitioned_groups_flat
+            if len(saved) != len(flats) or any(a.numel() != b.numel() for a, b in zip(saved, flats)):
+                raise RuntimeError("sdp4bit: the checkpoint's replica partitions do not match this model's "
+                                   "sub-groups (different model, world size or sub_group_size)")
+            for flat, s in zip(flats, saved):
+                flat.data.copy_(s.to(device=flat.device, dtype=flat.dtype))
+            for i in range(len(flats)):
+                self._unflatten_partitioned_parameters(i)
+
+    return _rigid_load
+
+
+def _checkpoint_event_epilogue(orig):
+    # DeepSpeed (after save and load): drop the secondaries and re-gather the persistent params from the
+    # primary partitions.  We instead re-synchronise every replica exactly from the owners' bf16 partitions
+    # (after a load those are the saved replica values), which also re-points full-level params.
+    @functools.wraps(orig)
+    def checkpoint_event_epilogue(self):
+        st = _active(self)
+        if st is None or st.weights is None:
+            return orig(self)
+        st.resync(self)
+        rest = [p for p in self.persistent_parameters if id(p) not in {id(q) for q in st._replica_params}]
+        if st.level == "full" and rest:
+            rest[0].all_gather(rest)
+        elif st.level != "full" and self.persistent_parameters:
+            self.persistent_parameters[0].all_gather(self.persistent_parameters)
+
+    return checkpoint_event_epilogue

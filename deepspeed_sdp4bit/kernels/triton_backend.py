@@ -1,0 +1,750 @@
+"""Triton kernels for the five SDP4Bit ops, bit-exact with :mod:`deepspeed_sdp4bit.reference`.
+
+Public entry point: :func:`make_backend` returns ``ops.Backend("triton", ...)``; :mod:`deepspeed_sdp4bit.ops`
+calls it lazily the first time the ``triton`` backend is asked for.  The five ops have the reference
+signatures plus optional ``out=`` / ``out_scales=`` buffers (written in place when given, allocated
+otherwise), exactly like the torch backend in ``ops.py``.
+
+Devices
+-------
+The backend is available for CUDA tensors when Triton imports.  When the environment variable
+``TRITON_INTERPRET=1`` is set *before this module is imported*, Triton decorates every kernel as an
+interpreted function; the probe then also accepts CPU tensors, which run through Triton's numpy
+interpreter (slow: meant for CI on CPU machines, see ``tests/conftest.py``).  Whether the kernels are
+interpreted is fixed at import time, so the probe looks at the decorated kernels, not at the variable.
+
+How bit-exactness with the reference is kept
+--------------------------------------------
+* All math is fp32.  Divisions use ``tl.math.div_rn`` (IEEE round-to-nearest; plain ``/`` may lower to
+  an approximate division on GPUs).  Kernels are launched with ``enable_fp_fusion=False`` so that the
+  dequantize multiply and the following add are never contracted into one FMA, and (NVIDIA) with
+  ``enable_reflect_ftz=False`` so that ``floor`` keeps subnormals like torch does.
+* The Hadamard transform is the reference butterfly, stage by stage (strides 1, 2, ..., h/2), done with
+  reshape/permute/split/join; no ``tl.dot`` (its accumulation order differs, and the interpreter
+  mishandles bf16 dots).
+* ``absmax`` propagates NaN explicitly (``tl.max`` may drop NaN on GPUs).
+* Stochastic rounding uses the reference's counter hash (``mix32`` in uint32 arithmetic).
+* bf16 is converted by integer bit manipulation (widening: shift; narrowing: round-to-nearest-even with
+  the same NaN handling as torch), because the interpreter truncates fp32->bf16 instead of rounding.
+
+Launch shape
+------------
+Grouped ops (1, 2, 4) give each program ``GPP`` whole groups as a [GPP, BLOCK_G] tile (BLOCK_G = the
+group size rounded up to a power of two, extra columns masked); ops 3 and 5 give each program a flat
+block.  On GPUs a tile is ~4096 elements (8 warps); under the interpreter, where every program pays a
+Python cost per instruction, one program takes up to 32768 elements.  Group sizes, bit widths, Hadamard
+size, rounding mode and dtypes are compile-time constants, so each configuration compiles once.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import ops as _ops
+from .. import reference as R
+
+__all__ = [
+    "make_backend",
+    "is_interpreted",
+    "hadamard_quantize",
+    "dequant_sum_requant",
+    "dequant_sum_inverse_hadamard",
+    "weight_delta_quantize",
+    "dequant_add_",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# dtype "kind" codes the kernels specialize on: how to widen/narrow to/from fp32
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+# jit-visible constants (globals must be constexpr to be read inside kernels)
+# (no NaN global: Triton re-checks globals by equality at every launch, and NaN != NaN fails that check)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_TWO_M24 = tl.constexpr(2.0 ** -24)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# device helpers
+# ----------------------------------------------------------------------------------------------------------
+@triton.jit
+def _mix32(x):
+    """lowbias32 hash of a uint32 tensor (wraps mod 2**32, logical shifts: x is unsigned)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def _uniform(key_u32, ctr, NEED_HI: tl.constexpr):
+    """fp32 uniforms in [0, 1) for int64 counters ``ctr`` of stream ``key_u32`` (reference formula)."""
+    h = _mix32(ctr.to(tl.uint32) ^ key_u32)  # int64 -> uint32 keeps the low 32 bits
+    if NEED_HI:
+        # only compiled in when some counter is >= 2**32 (or negative), as the reference does
+        hi = ctr >> 32
+        h = tl.where(hi != 0, _mix32(h ^ hi.to(tl.uint32)), h)
+    return (h >> 8).to(tl.float32) * _TWO_M24
+
+
+@triton.jit
+def _load_f32(ptr, mask, KIND: tl.constexpr):
+    """Load fp32/fp16/bf16 (bf16 passed as an int16 view) and widen to fp32 exactly."""
+    if KIND == 2:
+        bits = tl.load(ptr, mask=mask, other=0).to(tl.uint16, bitcast=True).to(tl.uint32)
+        v = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _store_from_f32(ptr, v, mask, KIND: tl.constexpr):
+    """Narrow fp32 to the buffer's dtype with round-to-nearest-even and store (bf16 as an int16 view)."""
+    if KIND == 2:
+        # torch's fp32->bf16 rule: add 0x7fff + lsb and keep the high half; NaN becomes 0x7fc0.  Written
+        # with integers because the interpreter's own fp32->bf16 cast truncates.
+        u = v.to(tl.uint32, bitcast=True)
+        r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+        r = tl.where(v != v, 0x7FC0, r)
+        tl.store(ptr, r.to(tl.int32).to(tl.int16), mask=mask)
+    elif KIND == 1:
+        tl.store(ptr, v.to(tl.float16), mask=mask)
+    else:
+        tl.store(ptr, v, mask=mask)
+
+
+@triton.jit
+def _butterfly(x, N: tl.constexpr, LOG_H: tl.constexpr):
+    """Unnormalized block Hadamard of flat fp32 ``x`` [N], blocks of 2**LOG_H, in the reference order.
+
+    Stage of stride S: view as [N/(2S), 2, S]; the pair (a, b) = (row 0, row 1) becomes (a + b, a - b).
+    """
+    for i in tl.static_range(LOG_H):
+        # stride S = 1 << i (written inline: a constexpr cannot be re-bound inside the unrolled loop)
+        v = tl.permute(tl.reshape(x, [N // (2 << i), 2, 1 << i]), [0, 2, 1])  # [N/2S, S, 2]: pair last
+        a, b = tl.split(v)
+        v = tl.join(a + b, a - b)
+        x = tl.reshape(tl.permute(v, [0, 2, 1]), [N])
+    return x
+
+
+@triton.jit
+def _quantize_rows(x, ctr, key_u32, QMAX: tl.constexpr, STOCH: tl.constexpr, NEED_HI: tl.constexpr):
+    """Quantize each row of fp32 ``x`` [R, C] as one group (masked-out entries must be 0).
+
+    ``ctr`` [R, C] int64 are the stochastic-rounding counters.  Returns int8 codes [R, C], fp32 scales [R].
+    """
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    absmax = tl.max(tl.abs(x), axis=1)
+    nan = tl.full(absmax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
+    absmax = tl.where(has_nan, nan, absmax)  # tl.max may drop NaN; the reference propagates it
+    scale = tl.math.div_rn(absmax, QMAX * 1.0)
+    valid = (scale > 0.0) & (scale <= _FLT_MAX)  # false for 0, inf and NaN
+    denom = tl.where(valid, scale, 1.0)
+    y = tl.math.div_rn(x, denom[:, None])
+    if STOCH:
+        t = y + _uniform(key_u32, ctr, NEED_HI)
+        r = tl.floor(t)
+        # floor may be lowered with flush-to-zero (libdevice): a negative subnormal t would give -0, not -1
+        r = tl.where(r > t, r - 1.0, r)
+    else:
+        r = tl.floor(tl.abs(y) + 0.5)  # half away from zero
+        r = tl.where(y < 0.0, -r, r)
+    ok = valid[:, None] & (r == r) & (tl.abs(r) <= _FLT_MAX)
+    r = tl.minimum(tl.maximum(r, -QMAX * 1.0), QMAX * 1.0)
+    codes = tl.where(ok, r, 0.0).to(tl.int8)
+    return codes, scale
+
+
+@triton.jit
+def _store_code_rows(out_ptr, codes, grp, gmask, GS: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BITS: tl.constexpr):
+    """Store int8 codes [R, BLOCK_G] of groups ``grp`` [R] as payload bytes (first GS columns valid).
+
+    bits=8: ``out_ptr`` is an int8 view of the payload.  bits=4: uint8, element 2i low nibble, 2i+1 high.
+    """
+    if BITS == 8:
+        col = tl.arange(0, BLOCK_G)
+        m = gmask[:, None] & (col < GS)[None, :]
+        tl.store(out_ptr + grp[:, None] * GS + col[None, :], codes, mask=m)
+    else:
+        HALF: tl.constexpr = BLOCK_G // 2
+        lo, hi = tl.split(tl.reshape(codes, [codes.shape[0], HALF, 2]))
+        byte = (lo.to(tl.int32) & 0xF) | ((hi.to(tl.int32) & 0xF) << 4)
+        col2 = tl.arange(0, HALF)
+        m = gmask[:, None] & (col2 < GS // 2)[None, :]
+        tl.store(out_ptr + grp[:, None] * (GS // 2) + col2[None, :], byte.to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _load_codes_f32(p_ptr, g, mask, BITS: tl.constexpr):
+    """fp32 codes of elements ``g`` (int64) from a payload (bits=8: int8 view; bits=4: uint8 nibbles)."""
+    if BITS == 8:
+        c = tl.load(p_ptr + g, mask=mask, other=0).to(tl.float32)
+    else:
+        byte = tl.load(p_ptr + (g >> 1), mask=mask, other=0).to(tl.int32)  # uint8 -> zero-extended
+        nib = (byte >> ((g & 1) * 4).to(tl.int32)) & 0xF
+        c = tl.where(nib >= 8, nib - 16, nib).to(tl.float32)  # 4-bit two's complement
+    return c
+
+
+@triton.jit
+def _dequant_sum(p_ptr, p_stride, s_ptr, s_stride, k, g, mask, GS: tl.constexpr, BITS: tl.constexpr):
+    """fp32 ``acc = deq_0; acc = acc + deq_1; ...`` over k chunks for elements ``g`` (any shape, int64)."""
+    sg = g // GS
+    acc = _load_codes_f32(p_ptr, g, mask, BITS) * tl.load(s_ptr + sg, mask=mask, other=0.0)
+    for _ in range(1, k):
+        # advance the row pointers step by step: no 32-bit j * stride product that could overflow
+        p_ptr += p_stride
+        s_ptr += s_stride
+        d = _load_codes_f32(p_ptr, g, mask, BITS) * tl.load(s_ptr + sg, mask=mask, other=0.0)
+        acc = acc + d
+    return acc
+
+
+# ----------------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------------
+_NO_SPEC = ["key", "offset"]
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _hadamard_quantize_kernel(x_ptr, out_ptr, scale_ptr, ngroups, rows, cols, seg, key, offset,
+                              GS: tl.constexpr, BLOCK_G: tl.constexpr, GPP: tl.constexpr,
+                              BITS: tl.constexpr, QMAX: tl.constexpr, LOG_H: tl.constexpr,
+                              SWIZZLE: tl.constexpr, STOCH: tl.constexpr, NEED_HI: tl.constexpr,
+                              IN_KIND: tl.constexpr):
+    """Op 1 on GPP groups per program: gather (swizzled) input, butterfly, quantize, store payload+scales."""
+    pid = tl.program_id(0).to(tl.int64)
+    grp = pid * GPP + tl.arange(0, GPP)
+    col = tl.arange(0, BLOCK_G)
+    gmask = grp < ngroups
+    mask = gmask[:, None] & (col < GS)[None, :]
+    o = grp[:, None] * GS + col[None, :]  # element index in output order
+    # SWIZZLE: output is [cols, rows, seg]; element (c, r, e) comes from input [rows, cols, seg] at (r, c, e).
+    # All index products are int64 because o is (no scalar casts: rows/cols may be specialized constants).
+    if SWIZZLE == 2:
+        # seg is a multiple of GS: a group never straddles segments, so map once per group (cheap)
+        o0 = grp * GS
+        q = o0 // seg
+        c = q // rows
+        r = q - c * rows
+        src = ((r * cols + c) * seg + (o0 - q * seg))[:, None] + col[None, :]
+    elif SWIZZLE == 1:
+        q = o // seg
+        c = q // rows
+        r = q - c * rows
+        src = (r * cols + c) * seg + (o - q * seg)
+    else:
+        src = o
+    x = _load_f32(x_ptr + src, mask, IN_KIND)
+    if LOG_H > 0:
+        x = tl.reshape(_butterfly(tl.reshape(x, [GPP * BLOCK_G]), GPP * BLOCK_G, LOG_H), [GPP, BLOCK_G])
+    key_u32 = key.to(tl.uint32, bitcast=True)
+    codes, scale = _quantize_rows(x, o + offset.to(tl.int64), key_u32, QMAX, STOCH, NEED_HI)
+    tl.store(scale_ptr + grp, scale, mask=gmask)
+    _store_code_rows(out_ptr, codes, grp, gmask, GS, BLOCK_G, BITS)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _dequant_sum_requant_kernel(p_ptr, p_stride, s_ptr, s_stride, k, m, out_ptr, oscale_ptr, ngroups,
+                                key, offset,
+                                IN_GS: tl.constexpr, IN_BITS: tl.constexpr,
+                                GS: tl.constexpr, BLOCK_G: tl.constexpr, GPP: tl.constexpr,
+                                BITS: tl.constexpr, QMAX: tl.constexpr,
+                                STOCH: tl.constexpr, NEED_HI: tl.constexpr):
+    """Op 2 on GPP output groups per program: dequantize + sum k chunks, requantize."""
+    pid = tl.program_id(0).to(tl.int64)
+    grp = pid * GPP + tl.arange(0, GPP)
+    col = tl.arange(0, BLOCK_G)
+    gmask = grp < ngroups
+    o = grp[:, None] * GS + col[None, :]
+    mask = gmask[:, None] & (col < GS)[None, :] & (o < m)  # o >= m: zero padding of the last group
+    acc = _dequant_sum(p_ptr, p_stride, s_ptr, s_stride, k, o, mask, IN_GS, IN_BITS)
+    acc = tl.where(mask, acc, 0.0)
+    key_u32 = key.to(tl.uint32, bitcast=True)
+    codes, scale = _quantize_rows(acc, o + offset.to(tl.int64), key_u32, QMAX, STOCH, NEED_HI)
+    tl.store(oscale_ptr + grp, scale, mask=gmask)
+    _store_code_rows(out_ptr, codes, grp, gmask, GS, BLOCK_G, BITS)
+
+
+@triton.jit
+def _dequant_sum_inverse_hadamard_kernel(p_ptr, p_stride, s_ptr, s_stride, k, m, out_ptr, factor,
+                                         IN_GS: tl.constexpr, IN_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                                         LOG_H: tl.constexpr, OUT_KIND: tl.constexpr):
+    """Op 3 on BLOCK elements per program: dequantize + sum k chunks, butterfly, * factor, cast."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = g < m  # m is a multiple of the Hadamard size, so whole blocks are in or out
+    acc = _dequant_sum(p_ptr, p_stride, s_ptr, s_stride, k, g, mask, IN_GS, IN_BITS)
+    if LOG_H > 0:
+        acc = _butterfly(tl.where(mask, acc, 0.0), BLOCK, LOG_H)
+    _store_from_f32(out_ptr + g, acc * factor, mask, OUT_KIND)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _weight_delta_quantize_kernel(master_ptr, replica_ptr, out_ptr, scale_ptr, n, ngroups, key, offset,
+                                  GS: tl.constexpr, BLOCK_G: tl.constexpr, GPP: tl.constexpr,
+                                  BITS: tl.constexpr, QMAX: tl.constexpr, STOCH: tl.constexpr,
+                                  NEED_HI: tl.constexpr, DIFF: tl.constexpr,
+                                  M_KIND: tl.constexpr, R_KIND: tl.constexpr):
+    """Op 4 on GPP groups per program: delta (or master), quantize, store payload, update replica."""
+    pid = tl.program_id(0).to(tl.int64)
+    grp = pid * GPP + tl.arange(0, GPP)
+    col = tl.arange(0, BLOCK_G)
+    gmask = grp < ngroups
+    o = grp[:, None] * GS + col[None, :]
+    mask = gmask[:, None] & (col < GS)[None, :] & (o < n)
+    src = _load_f32(master_ptr + o, mask, M_KIND)
+    if DIFF:
+        rep = _load_f32(replica_ptr + o, mask, R_KIND)
+        src = src - rep
+    key_u32 = key.to(tl.uint32, bitcast=True)
+    codes, scale = _quantize_rows(src, o + offset.to(tl.int64), key_u32, QMAX, STOCH, NEED_HI)
+    tl.store(scale_ptr + grp, scale, mask=gmask)
+    _store_code_rows(out_ptr, codes, grp, gmask, GS, BLOCK_G, BITS)
+    deq = codes.to(tl.float32) * scale[:, None]
+    if DIFF:
+        deq = rep + deq
+    _store_from_f32(replica_ptr + o, deq, mask, R_KIND)
+
+
+@triton.jit
+def _dequant_add_kernel(replica_ptr, p_ptr, s_ptr, n, GS: tl.constexpr, BITS: tl.constexpr,
+                        BLOCK: tl.constexpr, DIFF: tl.constexpr, R_KIND: tl.constexpr):
+    """Op 5 on BLOCK elements per program: replica = cast(float(replica) + deq) (or cast(deq))."""
+    pid = tl.program_id(0).to(tl.int64)
+    g = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = g < n
+    deq = _load_codes_f32(p_ptr, g, mask, BITS) * tl.load(s_ptr + g // GS, mask=mask, other=0.0)
+    if DIFF:
+        deq = _load_f32(replica_ptr + g, mask, R_KIND) + deq
+    _store_from_f32(replica_ptr + g, deq, mask, R_KIND)
+
+
+def is_interpreted() -> bool:
+    """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (they then also run on CPU)."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - layout of older/newer triton
+        return type(_dequant_add_kernel).__name__ == "InterpretedFunction"
+    return isinstance(_dequant_add_kernel, InterpretedFunction)
+
+
+_INTERPRETED = is_interpreted()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launch configuration
+# ----------------------------------------------------------------------------------------------------------
+# Elements per program.  On GPUs a few groups per program keep registers modest and the grid large; under
+# the interpreter every program costs a fixed Python overhead per instruction, so one program covers as
+# much as possible (numpy then does the work in bulk).
+_GPU_TILE = 4096
+_INTERP_TILE = 1 << 15
+
+
+def _pow2_at_least(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _groups_per_program(group_size: int, ngroups: int) -> Tuple[int, int]:
+    """(BLOCK_G, GPP) for a grouped kernel: BLOCK_G = pow2 >= group_size, GPP groups per program."""
+    block_g = _pow2_at_least(max(group_size, 2))
+    if _INTERPRETED:
+        gpp = min(max(1, _INTERP_TILE // block_g), _pow2_at_least(ngroups))
+    else:
+        gpp = max(1, _GPU_TILE // block_g)
+    return block_g, gpp
+
+
+def _elements_per_program(n: int, min_block: int = 1) -> int:
+    tile = min(_INTERP_TILE, _pow2_at_least(n)) if _INTERPRETED else _GPU_TILE
+    return max(tile, _pow2_at_least(min_block))
+
+
+def _num_warps(tile_elems: int) -> int:
+    return 4 if tile_elems <= 2048 else 8
+
+
+# enable_reflect_ftz=False (NVIDIA option): libdevice functions (floor) without flush-to-zero, so subnormals
+# behave as in torch.  Other backends do not know the option, so it is only passed for CUDA builds.
+_EXTRA_OPTIONS = {"enable_reflect_ftz": False} if torch.version.hip is None else {}
+
+
+def _launch(kernel, grid, *args, tile_elems: int, **const):
+    # enable_fp_fusion=False: dequant multiply + add must stay two roundings (reference order)
+    kernel[grid](*args, **const, num_warps=_num_warps(tile_elems), enable_fp_fusion=False,
+                 **_EXTRA_OPTIONS)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------------------------------
+def _check_float(t: torch.Tensor, name: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_typed(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def _check_device(device: torch.device, **tensors) -> None:
+    if device.type == "cpu" and not _INTERPRETED:
+        raise RuntimeError("the triton backend runs CPU tensors only under TRITON_INTERPRET=1 "
+                           "(set before deepspeed_sdp4bit.kernels.triton_backend is imported)")
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
+
+
+def _check_bits(bits: int, name: str = "bits") -> int:
+    if bits not in (4, 8):
+        raise ValueError(f"{name} must be 4 or 8, got {bits}")
+    return R.qmax_for_bits(bits)
+
+
+def _check_group_size(group_size: int, bits: int, name: str = "group_size") -> None:
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{name} must be a positive int, got {group_size!r}")
+    if bits == 4 and group_size % 2:
+        raise ValueError(f"4-bit groups must have an even size, got {name}={group_size}")
+
+
+def _check_rounding(rounding: str, key: Optional[int]) -> bool:
+    if rounding not in R.ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {R.ROUNDING_MODES}, got {rounding!r}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("stochastic rounding needs a key (see make_key)")
+    return rounding == "stochastic"
+
+
+def _check_mode(mode: str) -> bool:
+    if mode not in ("diff", "direct"):
+        raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
+    return mode == "diff"
+
+
+def _log_hadamard(hadamard_size: Optional[int]) -> int:
+    if not hadamard_size:
+        return 0
+    R._check_hadamard_size(hadamard_size)
+    return int(hadamard_size).bit_length() - 1
+
+
+def _key_i32(key: Optional[int]) -> int:
+    """The uint32 key as a signed int32 bit pattern (one kernel argument type whatever the value)."""
+    k = int(key or 0) & 0xFFFFFFFF
+    return k - (1 << 32) if k >= (1 << 31) else k
+
+
+def _need_hi(offset: int, count: int) -> bool:
+    """Whether any counter in [offset, offset + count) has non-zero high 32 bits (incl. negative)."""
+    return offset < 0 or offset + count > (1 << 32)
+
+
+def _buffer(out: Optional[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device,
+            name: str) -> torch.Tensor:
+    """``out`` checked to hold exactly ``numel`` x ``dtype`` contiguous on ``device``, or a new buffer."""
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    if out.numel() != numel or out.dtype != dtype:
+        raise ValueError(f"{name} buffer has {out.numel()} x {out.dtype}, needs {numel} x {dtype}")
+    if out.device != device:
+        raise ValueError(f"{name} is on {out.device}, expected {device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return out
+
+
+def _code_view(payload: torch.Tensor, bits: int) -> torch.Tensor:
+    """Flat payload as the kernels address it: int8 codes for bits=8, packed uint8 for bits=4."""
+    flat = payload.view(-1)
+    return flat.view(torch.int8) if bits == 8 else flat
+
+
+def _float_view(t: torch.Tensor) -> torch.Tensor:
+    """Flat float tensor as the kernels address it (bf16 through an int16 view, see ``_load_f32``)."""
+    flat = t.view(-1)
+    return flat.view(torch.int16) if t.dtype == torch.bfloat16 else flat
+
+
+def _chunks(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+            ) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Validate [k, bytes] payloads and [k, groups] scales; return row-contiguous views, k and m."""
+    _check_typed(payloads, "payloads", torch.uint8)
+    _check_typed(scales, "scales", torch.float32)
+    if payloads.dim() != 2:
+        raise ValueError(f"payloads must be 2-D [k, bytes], got shape {tuple(payloads.shape)}")
+    k = payloads.shape[0]
+    if k < 1:
+        raise ValueError("payloads must hold at least one chunk (k >= 1)")
+    m = payloads.shape[1] * 8 // bits
+    if m % group_size:
+        raise ValueError(f"payloads hold {m} codes per chunk, not a multiple of group_size {group_size}")
+    if tuple(scales.shape) != (k, m // group_size):
+        raise ValueError(f"scales must have shape {(k, m // group_size)} for payloads of shape "
+                         f"{tuple(payloads.shape)}, got {tuple(scales.shape)}")
+    if payloads.stride(1) != 1:
+        payloads = payloads.contiguous()
+    if scales.stride(1) != 1:
+        scales = scales.contiguous()
+    return payloads, scales, k, m
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the five ops
+# ----------------------------------------------------------------------------------------------------------
+def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size: Optional[int],
+                      rounding: str = "nearest", key: Optional[int] = None, offset: int = 0,
+                      swizzle: Optional[Tuple[int, int]] = None, out: Optional[torch.Tensor] = None,
+                      out_scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Op 1 (see ``reference.hadamard_quantize``): optional swizzle and block Hadamard, group quantize.
+
+    Args:
+        x: [n] (read flat) float32/float16/bfloat16, n a multiple of ``group_size`` (and of rows*cols when
+           ``swizzle=(rows, cols)``); ``group_size`` a multiple of ``hadamard_size`` (None/0: no transform).
+        out: optional uint8 [n*bits/8]; out_scales: optional float32 [n/group_size].
+    Returns:
+        payload uint8 [n*bits/8], scales float32 [n/group_size] (``out``/``out_scales`` when given).
+    """
+    _check_float(x, "x")
+    qmax = _check_bits(bits)
+    _check_group_size(group_size, bits)
+    stoch = _check_rounding(rounding, key)
+    log_h = _log_hadamard(hadamard_size)
+    if log_h and group_size % hadamard_size:
+        raise ValueError(f"group_size {group_size} must be a multiple of hadamard_size {hadamard_size}")
+    n = x.numel()
+    if n % group_size:
+        raise ValueError(f"numel {n} must be a multiple of group_size {group_size}")
+    rows = cols = seg = 1
+    if swizzle is not None:
+        rows, cols = (int(v) for v in swizzle)
+        if rows < 1 or cols < 1 or n % (rows * cols):
+            raise ValueError(f"numel {n} is not divisible into {rows}x{cols} segments (swizzle={swizzle})")
+        seg = n // (rows * cols)
+    device = x.device
+    _check_device(device, out=out, out_scales=out_scales)
+    ngroups = n // group_size
+    payload = _buffer(out, n * bits // 8, torch.uint8, device, "out")
+    scales = _buffer(out_scales, ngroups, torch.float32, device, "out_scales")
+    if ngroups == 0:
+        return payload, scales
+    xf = _float_view(x.reshape(-1).contiguous())
+    block_g, gpp = _groups_per_program(group_size, ngroups)
+    if log_h:
+        # the butterfly reshapes the flat tile into blocks of h: the tile must hold whole blocks
+        block_g = max(block_g, hadamard_size)
+    _launch(_hadamard_quantize_kernel, (triton.cdiv(ngroups, gpp),),
+            xf, _code_view(payload, bits), scales.view(-1), ngroups, rows, cols, seg,
+            _key_i32(key), int(offset), tile_elems=gpp * block_g,
+            GS=group_size, BLOCK_G=block_g, GPP=gpp, BITS=bits, QMAX=qmax, LOG_H=log_h,
+            SWIZZLE=0 if swizzle is None else (2 if seg % group_size == 0 else 1), STOCH=stoch,
+            NEED_HI=stoch and _need_hi(int(offset), n),
+            IN_KIND=_KIND[x.dtype])
+    return payload, scales
+
+
+def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: int, out_bits: int,
+                        group_size: int, rounding: str = "nearest", key: Optional[int] = None,
+                        offset: int = 0, out_group_size: Optional[int] = None,
+                        out: Optional[torch.Tensor] = None, out_scales: Optional[torch.Tensor] = None
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Op 2 (see ``reference.dequant_sum_requant``): dequantize k chunks, fp32 sum in order, requantize.
+
+    Args:
+        payloads: uint8 [k, m*in_bits/8]; scales: float32 [k, m/group_size].
+        out_group_size: output group size (default ``group_size``); m is zero-padded to a multiple of it.
+        out: optional uint8 [m_pad*out_bits/8]; out_scales: optional float32 [m_pad/out_group_size].
+    Returns: payload uint8 [m_pad*out_bits/8], scales float32 [m_pad/out_group_size].
+    """
+    _check_bits(in_bits, "in_bits")
+    qmax = _check_bits(out_bits, "out_bits")
+    _check_group_size(group_size, in_bits)
+    ogs = out_group_size or group_size
+    _check_group_size(ogs, out_bits, "out_group_size")
+    stoch = _check_rounding(rounding, key)
+    payloads, scales, k, m = _chunks(payloads, scales, in_bits, group_size)
+    device = payloads.device
+    _check_device(device, scales=scales, out=out, out_scales=out_scales)
+    ngroups = R.num_groups(m, ogs)
+    m_pad = ngroups * ogs
+    payload = _buffer(out, m_pad * out_bits // 8, torch.uint8, device, "out")
+    oscales = _buffer(out_scales, ngroups, torch.float32, device, "out_scales")
+    if ngroups == 0:
+        return payload, oscales
+    block_g, gpp = _groups_per_program(ogs, ngroups)
+    _launch(_dequant_sum_requant_kernel, (triton.cdiv(ngroups, gpp),),
+            payloads.view(torch.int8) if in_bits == 8 else payloads, payloads.stride(0),
+            scales, scales.stride(0), k, m, _code_view(payload, out_bits), oscales.view(-1), ngroups,
+            _key_i32(key), int(offset), tile_elems=gpp * block_g,
+            IN_GS=group_size, IN_BITS=in_bits, GS=ogs, BLOCK_G=block_g, GPP=gpp, BITS=out_bits, QMAX=qmax,
+            STOCH=stoch, NEED_HI=stoch and _need_hi(int(offset), m_pad))
+    return payload, oscales
+
+
+def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                                 hadamard_size: Optional[int], out_dtype: torch.dtype = torch.float32,
+                                 post_scale: float = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Op 3 (see ``reference.dequant_sum_inverse_hadamard``): dequantize + sum k chunks, inverse Hadamard.
+
+    ``out = cast(butterfly(sum) * fp32(post_scale / hadamard_size))`` (no Hadamard: ``* fp32(post_scale)``).
+
+    Args:
+        payloads: uint8 [k, m*bits/8]; scales: float32 [k, m/group_size]; m a multiple of hadamard_size.
+        out_dtype: float32/float16/bfloat16.  out: optional contiguous buffer of >= m elements; its dtype
+            then replaces ``out_dtype`` and its first m elements are written (like the torch backend).
+    Returns: ``out_dtype`` [m] (or ``out``).
+    """
+    _check_bits(bits)
+    _check_group_size(group_size, bits)
+    log_h = _log_hadamard(hadamard_size)
+    payloads, scales, k, m = _chunks(payloads, scales, bits, group_size)
+    if log_h and m % hadamard_size:
+        raise ValueError(f"numel {m} is not a multiple of the hadamard size {hadamard_size}")
+    device = payloads.device
+    _check_device(device, scales=scales, out=out)
+    if out is not None:
+        _check_float(out, "out")
+        if out.numel() < m:
+            raise ValueError(f"out has {out.numel()} elements, needs {m}")
+        if out.device != device:
+            raise ValueError(f"out is on {out.device}, expected {device}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        res = out
+    else:
+        if out_dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+        res = torch.empty(m, dtype=out_dtype, device=device)
+    if m == 0:
+        return res
+    factor = post_scale / hadamard_size if log_h else post_scale
+    factor32 = torch.tensor(factor, dtype=torch.float32).item()  # rounded once to fp32, then passed exactly
+    block = _elements_per_program(m, hadamard_size or 1)
+    _launch(_dequant_sum_inverse_hadamard_kernel, (triton.cdiv(m, block),),
+            payloads.view(torch.int8) if bits == 8 else payloads, payloads.stride(0),
+            scales, scales.stride(0), k, m, _float_view(res), factor32, tile_elems=block,
+            IN_GS=group_size, IN_BITS=bits, BLOCK=block, LOG_H=log_h, OUT_KIND=_KIND[res.dtype])
+    return res
+
+
+def weight_delta_quantize(master: torch.Tensor, replica: torch.Tensor, bits: int, group_size: int,
+                          rounding: str = "nearest", key: Optional[int] = None, offset: int = 0,
+                          mode: str = "diff", out: Optional[torch.Tensor] = None,
+                          out_scales: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Op 4 (see ``reference.weight_delta_quantize``): quantize master - replica (or master), update replica.
+
+    Args:
+        master: [n] float32 (float16/bfloat16 accepted, widened exactly); replica: [n] contiguous
+            float32/float16/bfloat16, updated in place to ``cast(float(replica) + deq)`` (``direct``:
+            ``cast(deq)``).  n need not be a multiple of ``group_size`` (the last group is zero-padded).
+        out: optional uint8 [n_pad*bits/8]; out_scales: optional float32 [n_pad/group_size].
+    Returns: payload uint8 [n_pad*bits/8], scales float32 [n_pad/group_size].
+    """
+    _check_float(master, "master")
+    _check_float(replica, "replica")
+    qmax = _check_bits(bits)
+    _check_group_size(group_size, bits)
+    stoch = _check_rounding(rounding, key)
+    diff = _check_mode(mode)
+    if master.numel() != replica.numel():
+        raise ValueError(f"master has {master.numel()} elements but replica has {replica.numel()}")
+    if not replica.is_contiguous():
+        raise ValueError("replica must be contiguous (it is updated in place)")
+    device = replica.device
+    _check_device(device, master=master, out=out, out_scales=out_scales)
+    n = replica.numel()
+    ngroups = R.num_groups(n, group_size)
+    payload = _buffer(out, ngroups * group_size * bits // 8, torch.uint8, device, "out")
+    scales = _buffer(out_scales, ngroups, torch.float32, device, "out_scales")
+    if ngroups == 0:
+        return payload, scales
+    block_g, gpp = _groups_per_program(group_size, ngroups)
+    _launch(_weight_delta_quantize_kernel, (triton.cdiv(ngroups, gpp),),
+            _float_view(master.reshape(-1).contiguous()), _float_view(replica), _code_view(payload, bits),
+            scales.view(-1), n, ngroups, _key_i32(key), int(offset), tile_elems=gpp * block_g,
+            GS=group_size, BLOCK_G=block_g, GPP=gpp, BITS=bits, QMAX=qmax, STOCH=stoch,
+            NEED_HI=stoch and _need_hi(int(offset), ngroups * group_size), DIFF=diff,
+            M_KIND=_KIND[master.dtype], R_KIND=_KIND[replica.dtype])
+    return payload, scales
+
+
+def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                 group_size: int, mode: str = "diff") -> torch.Tensor:
+    """Op 5 (see ``reference.dequant_add_``): ``replica = cast(float(replica) + deq)`` in place.
+
+    Args: replica [n] contiguous float32/float16/bfloat16; payload uint8 [n_pad*bits/8] (at least n codes,
+        a whole number of groups); scales float32 [n_pad/group_size].  ``mode='direct'``: ``cast(deq)``.
+    Returns: ``replica``.
+    """
+    _check_float(replica, "replica")
+    _check_typed(payload, "payload", torch.uint8)
+    _check_typed(scales, "scales", torch.float32)
+    _check_bits(bits)
+    _check_group_size(group_size, bits)
+    diff = _check_mode(mode)
+    ncodes = payload.numel() * 8 // bits
+    n = replica.numel()
+    if ncodes < n:
+        raise ValueError(f"payload holds {ncodes} codes for a replica of {n}")
+    if ncodes % group_size or scales.numel() != ncodes // group_size:
+        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
+                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
+    if not replica.is_contiguous():
+        raise ValueError("replica must be contiguous (it is updated in place)")
+    device = replica.device
+    _check_device(device, payload=payload, scales=scales)
+    if n == 0:
+        return replica
+    block = _elements_per_program(n)
+    _launch(_dequant_add_kernel, (triton.cdiv(n, block),),
+            _float_view(replica), _code_view(payload.contiguous(), bits), scales.reshape(-1).contiguous(), n,
+            tile_elems=block, GS=group_size, BITS=bits, BLOCK=block, DIFF=diff, R_KIND=_KIND[replica.dtype])
+    return replica
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backend
+# ----------------------------------------------------------------------------------------------------------
+def _probe(device: torch.device) -> Tuple[bool, str]:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "torch sees no CUDA device"
+        if _INTERPRETED:
+            return True, "triton interpreter (TRITON_INTERPRET=1): correct but slow"
+        return True, f"triton {triton.__version__} kernels"
+    if device.type == "cpu":
+        if _INTERPRETED:
+            return True, "triton interpreter on CPU (TRITON_INTERPRET=1 was set at import): for tests, slow"
+        return False, ("triton kernels need a CUDA device; CPU tensors run only through the interpreter "
+                       "(set TRITON_INTERPRET=1 before importing the backend)")
+    return False, f"triton backend supports cuda devices (and cpu under TRITON_INTERPRET=1), not {device.type}"
+
+
+def make_backend() -> "_ops.Backend":
+    """The ``triton`` backend: the five ops above and a probe (CUDA; CPU only under TRITON_INTERPRET=1)."""
+    return _ops.Backend(
+        "triton",
+        {
+            "hadamard_quantize": hadamard_quantize,
+            "dequant_sum_requant": dequant_sum_requant,
+            "dequant_sum_inverse_hadamard": dequant_sum_inverse_hadamard,
+            "weight_delta_quantize": weight_delta_quantize,
+            "dequant_add_": dequant_add_,
+        },
+        probe=_probe,
+    )
