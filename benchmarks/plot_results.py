@@ -42,7 +42,10 @@ def markdown_table(summary: dict, baseline: str = "zero3") -> str:
             _fmt(r.get("mean_ms"), ".1f"), _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("tflops_per_gpu"), ".3g"),
             _fmt(speed, ".2f") + ("x" if speed else ""), _fmt(mem / 2 ** 30 if mem else None, ".2f"),
             _fmt(r.get("train_loss_last50"), ".4f"), _fmt(r.get("heldout_loss"), ".4f"), status]) + " |")
-    note = (f"\nms/step: mean over the last {summary.get('last_k')} steps (the first step excluded). "
+    timed = sorted({r.get("timed_steps") for r in summary.get("runs", []) if r.get("timed_steps")})
+    counted = "/".join(str(t) for t in timed) if timed else summary.get("last_k")
+    note = (f"\nms/step: mean over the last {counted} steps of each run (at most {summary.get('last_k')}; the "
+            f"first step excluded). "
             f"{summary.get('flops_formula', '')}. speedup: {baseline} ms/step / this ms/step, same topology "
             f"and transport.")
     return "\n".join(lines) + "\n" + note + "\n"

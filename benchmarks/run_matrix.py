@@ -95,11 +95,18 @@ def resolve_config(name: str) -> Path:
 
 
 def build_command(*, config: Path, world: int, gpus_per_node: Optional[int], launcher: str, cpu: bool,
-                  log_json: Path, train_args: List[str]) -> List[str]:
-    """The launcher command line for one run."""
+                  log_json: Path, train_args: List[str], sdp4bit_set: Optional[List[str]] = None) -> List[str]:
+    """The launcher command line for one run.
+
+    ``sdp4bit_set``: ``KEY=JSON`` overrides of the sdp4bit block, applied only to configs that have one (so
+    that, say, a kernel backend can be chosen without giving the ZeRO-3 baseline an sdp4bit block).
+    """
     with open(config) as f:
         cfg = json.load(f)
     extra: List[str] = []
+    if "sdp4bit" in cfg:
+        for kv in sdp4bit_set or []:
+            extra += ["--ds-set", f"sdp4bit.{kv}"]
     if gpus_per_node is not None:
         if "sdp4bit" in cfg:
             extra += ["--ds-set", f"sdp4bit.topology.gpus_per_node={gpus_per_node}"]
@@ -176,6 +183,9 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run before it is killed")
     p.add_argument("--skip-existing", action="store_true", help="reuse runs whose log already has a final")
     p.add_argument("--dry-run", action="store_true", help="print the commands only")
+    p.add_argument("--sdp4bit-set", nargs="*", default=[], metavar="KEY=JSON",
+                   help="override keys of the sdp4bit block (only in configs that have one), e.g. "
+                        "kernel_backend='\"triton\"'")
     a = p.parse_args(argv)
     if a.last_k < 1:
         p.error(f"--last-k must be >= 1, got {a.last_k}")
@@ -196,6 +206,7 @@ def main(argv=None) -> int:
                 name = f"{cfg.stem}__{topo}__{'cpu' if a.cpu else transport}"
                 log_json, log_txt = out / f"{name}.json", out / f"{name}.log"
                 cmd = build_command(config=cfg, world=world, gpus_per_node=gpn, launcher=a.launcher,
+                                    sdp4bit_set=a.sdp4bit_set,
                                     cpu=a.cpu, log_json=log_json, train_args=train_args)
                 env = dict(os.environ)
                 env.update(TRANSPORTS[transport])
