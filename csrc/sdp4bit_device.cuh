@@ -1,0 +1,627 @@
+// Device code shared by the SDP4Bit kernels (included by sdp4bit_quantize.cu, sdp4bit_reduce.cu and
+// sdp4bit_weights.cu; each compiles on its own so that a build compiles them in parallel).
+//
+// Layout: a lane owns kVec = 8 contiguous elements (one 16-byte load of bf16/fp16, two of fp32), a warp
+// step covers 256 contiguous elements.  A Hadamard block of up to 256 elements lives in one warp step: its
+// strides 1, 2, 4 are inside a lane and 8..128 are lane shuffles, in the reference's stage order, so every
+// intermediate is the same fp32 value as in torch.
+//
+// Exactness (deepspeed_sdp4bit/reference.py is the definition):
+// * rounding-sensitive arithmetic uses explicitly rounded intrinsics (__fadd_rn, __fmul_rn, __fmaf_rn, ...),
+//   which nvcc never contracts or approximates, whatever the build flags;
+// * y = x / scale is IEEE-correctly rounded: per group r = RN(1/scale) (__frcp_rn), per element
+//   q = RN(x*r) followed by two FMA residual corrections (the sequence of CUDA's own div.rn fast path, and
+//   exact by Markstein's theorem); vectors holding elements so small that a residual could underflow, and
+//   groups whose scale is outside [2^-125, 2^125], take __fdiv_rn instead;
+// * integers and floats convert through the "magic" constant 1.5*2^23 (exact for |v| < 2^22) instead of
+//   I2F/F2I/FRND, which run at a quarter of the FP32 rate: floor(t) is the low mantissa bits of
+//   RD(t + 1.5*2^23), and a code c is the float 1.5*2^23 + c, whose low byte/nibble is c's two's complement;
+// * group maxima compare |x| as unsigned bit patterns: exact, and NaN (above +inf) propagates.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "sdp4bit_kernels.cuh"
+
+namespace sdp4bit {
+namespace dev {
+
+constexpr int kVec = 8;                          // elements per lane per step
+constexpr int kWarp = 32;
+constexpr int kStep = kVec * kWarp;              // elements per warp step
+constexpr int kThreads = 256;                    // threads per block
+constexpr int kWarpsPerBlock = kThreads / kWarp;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kMagic = 12582912.0f;            // 1.5 * 2^23
+constexpr uint32_t kMagicBits = 0x4B400000u;     // bits of kMagic
+
+// ------------------------------------------------------------------------------------------------------
+// scalar helpers
+// ------------------------------------------------------------------------------------------------------
+
+// floor(x / d) for a divisor fixed at launch: a 32x32-bit high multiply, an add and a shift (Granlund-Montgomery
+// with the 33-bit trick) instead of the ~20-instruction division routine, for 0 <= x < 2^32; 64-bit division
+// above that.  init() runs on the host.
+struct FastDiv {
+    int64_t d;
+    uint32_t mul;
+    uint32_t shift;
+    bool small;  // d < 2^32: the multiply path applies
+
+    void init(int64_t divisor)
+    {
+        d = divisor > 0 ? divisor : 1;
+        small = d < (1ll << 32);
+        shift = 0;
+        mul = 0;
+        if (small) {
+            while ((1ull << shift) < static_cast<uint64_t>(d)) ++shift;
+            mul = static_cast<uint32_t>((((1ull << 32) * ((1ull << shift) - static_cast<uint64_t>(d))) /
+                                         static_cast<uint64_t>(d)) + 1);
+        }
+    }
+
+    __device__ __forceinline__ int64_t operator()(int64_t x) const
+    {
+        if (small && static_cast<uint64_t>(x) < (1ull << 32)) {
+            const uint32_t x32 = static_cast<uint32_t>(x);
+            const uint64_t t = static_cast<uint64_t>(__umulhi(x32, mul)) + x32;
+            return static_cast<int64_t>(t >> shift);
+        }
+        return x / d;
+    }
+};
+
+// reference.mix32 ('lowbias32'): uint32 arithmetic wraps exactly like the reference's masked int64 math.
+__device__ __forceinline__ uint32_t mix32(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+// reference.uniform_from_counter for the 8 counters c0 .. c0+7: u in [0, 1), exact in fp32.
+__device__ __forceinline__ void uniforms8(uint32_t key, int64_t c0, float (&u)[8])
+{
+    const uint32_t lo0 = static_cast<uint32_t>(static_cast<uint64_t>(c0));
+    const uint32_t hi0 = static_cast<uint32_t>(static_cast<uint64_t>(c0 >> 32));  // arithmetic shift
+    if (hi0 == 0 && lo0 <= 0xfffffff7u) {  // the common case: counters below 2^32, no carry
+        // mix32's first step on (lo ^ key) is lo ^ (lo >> 16) ^ (key ^ (key >> 16)): one shift and one 3-way xor
+        const uint32_t kk = key ^ (key >> 16);
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+            const uint32_t lo = lo0 + t;
+            uint32_t x = lo ^ (lo >> 16) ^ kk;
+            x *= 0x7feb352du;
+            x ^= x >> 15;
+            x *= 0x846ca68bu;
+            const uint32_t h8 = (x >> 8) ^ (x >> 24);  // (x ^ (x >> 16)) >> 8
+            u[t] = __fmul_rn(__uint2float_rn(h8), 5.9604644775390625e-08f);  // * 2^-24
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+            const uint32_t lo = lo0 + t;
+            const uint32_t hi = hi0 + (lo < lo0 ? 1u : 0u);  // the high word of c0 + t
+            uint32_t h = mix32(lo ^ key);
+            if (hi != 0) h = mix32(h ^ hi);
+            u[t] = __fmul_rn(__uint2float_rn(h >> 8), 5.9604644775390625e-08f);
+        }
+    }
+}
+
+// ---- codes <-> floats through the magic constant ----
+// Code c (|c| <= 127) -> kMagic + c.  `code_float` undoes it exactly.
+__device__ __forceinline__ float code_float(float magic_code) { return __fsub_rn(magic_code, kMagic); }
+
+// reference.round_codes for a valid group: y = x / scale is finite and |y| <= ~qmax.
+template <bool STOCH>
+__device__ __forceinline__ float round_to_magic(float y, float u, float qmax)
+{
+    if constexpr (STOCH) {
+        // floor(RN(y + u)), clamped to [-qmax, qmax]
+        const float m = __fadd_rd(__fadd_rn(y, u), kMagic);
+        return fminf(fmaxf(m, kMagic - qmax), kMagic + qmax);
+    } else {
+        // sign(y) * floor(RN(|y| + 0.5)), clamped
+        const float m = fminf(__fadd_rd(__fadd_rn(fabsf(y), 0.5f), kMagic), kMagic + qmax);
+        return __fadd_rn(copysignf(__fsub_rn(m, kMagic), y), kMagic);
+    }
+}
+
+// 8 payload codes of element o (o a multiple of 8) as floats.  BITS=8: int8 per byte; BITS=4: element 2i in
+// the low nibble of byte i.  Decoding flips the sign bit of each field (c + 128 / c + 8, unsigned), puts it
+// under the 2^23 exponent and subtracts: no integer-to-float conversion instruction.
+template <int BITS>
+__device__ __forceinline__ void load_codes(const uint8_t* __restrict__ payload, int64_t o, bool vec, float (&c)[8])
+{
+    if constexpr (BITS == 8) {
+        uint32_t lo, hi;
+        if (vec) {
+            const uint2 w = __ldg(reinterpret_cast<const uint2*>(payload + o));
+            lo = w.x;
+            hi = w.y;
+        } else {
+            lo = hi = 0;
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                lo |= static_cast<uint32_t>(payload[o + t]) << (8 * t);
+                hi |= static_cast<uint32_t>(payload[o + 4 + t]) << (8 * t);
+            }
+        }
+        lo ^= 0x80808080u;
+        hi ^= 0x80808080u;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            // bytes: [field t, 0, 0, 0x4B] = 2^23 + (c + 128)
+            c[t] = __fsub_rn(__uint_as_float(__byte_perm(lo, 0x4Bu, 0x4550u | t)), 8388736.0f);
+            c[t + 4] = __fsub_rn(__uint_as_float(__byte_perm(hi, 0x4Bu, 0x4550u | t)), 8388736.0f);
+        }
+    } else {
+        uint32_t w;
+        const uint8_t* b = payload + o / 2;
+        if (vec) {
+            w = __ldg(reinterpret_cast<const unsigned int*>(b));
+        } else {
+            w = static_cast<uint32_t>(b[0]) | (static_cast<uint32_t>(b[1]) << 8) |
+                (static_cast<uint32_t>(b[2]) << 16) | (static_cast<uint32_t>(b[3]) << 24);
+        }
+        w ^= 0x88888888u;
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+            c[t] = __fsub_rn(__uint_as_float(((w >> (4 * t)) & 0xfu) | 0x4B000000u), 8388616.0f);
+        }
+    }
+}
+
+// Store 8 codes given as magic floats: their low byte (nibble) is the code's two's complement.
+template <int BITS>
+__device__ __forceinline__ void store_codes(uint8_t* __restrict__ payload, int64_t o, bool vec, const float (&mk)[8])
+{
+    uint32_t b[8];
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) b[t] = __float_as_uint(mk[t]);
+    if constexpr (BITS == 8) {
+        const uint32_t lo = __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
+        const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040u), __byte_perm(b[6], b[7], 0x0040u), 0x5410u);
+        if (vec) {
+            *reinterpret_cast<uint2*>(payload + o) = make_uint2(lo, hi);
+        } else {
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                payload[o + t] = static_cast<uint8_t>(lo >> (8 * t));
+                payload[o + 4 + t] = static_cast<uint8_t>(hi >> (8 * t));
+            }
+        }
+    } else {
+        uint32_t w = 0;
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) w |= (b[t] & 0xfu) << (4 * t);
+        uint8_t* p = payload + o / 2;
+        if (vec) {
+            *reinterpret_cast<uint32_t*>(p) = w;
+        } else {
+#pragma unroll
+            for (int t = 0; t < 4; ++t) p[t] = static_cast<uint8_t>(w >> (8 * t));
+        }
+    }
+}
+
+// ---- float vectors of 8 elements ----
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float x);
+template <>
+__device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+__device__ __forceinline__ uint4 ld16(const void* p, bool nc)
+{
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+    return nc ? __ldg(q) : *q;
+}
+
+__device__ __forceinline__ void unpack_words(uint4 w, float (&v)[8], const __nv_bfloat16*)
+{
+    const uint32_t a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {  // bf16 -> fp32 is a 16-bit shift (element 2k is the low half)
+        v[2 * k] = __uint_as_float(a[k] << 16);
+        v[2 * k + 1] = __uint_as_float(a[k] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void unpack_words(uint4 w, float (&v)[8], const __half*)
+{
+    const uint32_t a[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&a[k]));
+        v[2 * k] = f.x;
+        v[2 * k + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, const __nv_bfloat16*)
+{
+    const __nv_bfloat162 p = __floats2bfloat162_rn(lo, hi);  // round to nearest even, lo in the low half
+    return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi, const __half*)
+{
+    const __half2 p = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&p);
+}
+
+// v = p[i .. i+8) as fp32, zeros at and beyond `limit`.  VEC: p + i is 16-byte aligned whenever i is a
+// multiple of 8 (checked on the host) and i + 8 <= limit is checked here.  nc: read-only during the kernel.
+template <typename T>
+__device__ __forceinline__ void load_vals(const T* __restrict__ p, int64_t i, int64_t limit, bool vec, bool nc,
+                                          float (&v)[8])
+{
+    if (vec && i + kVec <= limit) {
+        if constexpr (sizeof(T) == 4) {
+            const uint4 a = ld16(p + i, nc);
+            const uint4 b = ld16(p + i + 4, nc);
+            v[0] = __uint_as_float(a.x); v[1] = __uint_as_float(a.y);
+            v[2] = __uint_as_float(a.z); v[3] = __uint_as_float(a.w);
+            v[4] = __uint_as_float(b.x); v[5] = __uint_as_float(b.y);
+            v[6] = __uint_as_float(b.z); v[7] = __uint_as_float(b.w);
+        } else {
+            unpack_words(ld16(p + i, nc), v, p);
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) v[t] = (i + t < limit) ? to_f(p[i + t]) : 0.0f;
+    }
+}
+
+// p[i .. min(i+8, limit)) = cast(v) with round-to-nearest-even (torch's .to(dtype)).
+template <typename T>
+__device__ __forceinline__ void store_vals(T* __restrict__ p, int64_t i, int64_t limit, bool vec, const float (&v)[8])
+{
+    if (vec && i + kVec <= limit) {
+        uint4* q = reinterpret_cast<uint4*>(p + i);
+        if constexpr (sizeof(T) == 4) {
+            q[0] = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
+                              __float_as_uint(v[3]));
+            q[1] = make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
+                              __float_as_uint(v[7]));
+        } else {
+            const T* tag = nullptr;
+            q[0] = make_uint4(pack2(v[0], v[1], tag), pack2(v[2], v[3], tag), pack2(v[4], v[5], tag),
+                              pack2(v[6], v[7], tag));
+        }
+    } else {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+            if (i + t < limit) p[i + t] = from_f<T>(v[t]);
+        }
+    }
+}
+
+// Block Hadamard butterfly of size h (power of two, 8..256) over a warp step: lane `lane` holds elements
+// 8*lane .. 8*lane+7.  Stages in the reference's order (stride 1, 2, ..., h/2); every lane of the warp must
+// call it (shuffles), lanes past the data holding zeros, which stay in their own blocks.  Sizes 2 and 4 are
+// refused by the binding: they would need the in-lane stages to be conditional, which costs every size.
+__device__ __forceinline__ void hadamard_step(float (&v)[8], int h, int lane)
+{
+#pragma unroll
+    for (int s = 1; s < kVec; s <<= 1) {
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+            if ((i & s) == 0) {
+                const float a = v[i], b = v[i + s];
+                v[i] = __fadd_rn(a, b);
+                v[i + s] = __fsub_rn(a, b);
+            }
+        }
+    }
+    for (int m = 1; m < (h >> 3); m <<= 1) {  // stride 8*m: the partner lane differs in bit m
+        // the lower lane holds a and gets a + b, the upper holds b and gets a - b; p + (+-1)*v is one
+        // rounding of an exact product, so it is bit-identical to p + v and p - v
+        const float sgn = (lane & m) ? -1.0f : 1.0f;
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+            const float p = __shfl_xor_sync(kFullMask, v[i], m);
+            v[i] = __fmaf_rn(v[i], sgn, p);
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// group quantization
+// ------------------------------------------------------------------------------------------------------
+struct QuantOut {
+    uint8_t* payload;
+    float* scales;
+    int64_t group;
+    int64_t n_pad;  // quantized elements (a multiple of group)
+    float qmax;
+    float rq;       // RN(1 / qmax)
+    int group_shift;  // log2(group) when group is a power of two (the register tiles), else -1
+    uint32_t key;
+    int64_t offset;
+    bool vec;  // payload aligned for 8-byte (bits=8) / 4-byte (bits=4) stores
+};
+
+// RN(a / b) given r = RN(1/b): RN(a*r) and two FMA residual corrections (the sequence of CUDA's div.rn fast
+// path; exact by Markstein's theorem while every intermediate is a normal number, see group_q).
+__device__ __forceinline__ float div_fast(float a, float b, float r)
+{
+    const float q0 = __fmul_rn(a, r);
+    const float e0 = __fmaf_rn(-q0, b, a);  // exact residual
+    const float q1 = __fmaf_rn(e0, r, q0);
+    const float e1 = __fmaf_rn(-q1, b, a);
+    return __fmaf_rn(e1, r, q1);
+}
+
+struct GroupQ {
+    float scale;
+    float r;    // RN(1 / scale) when fast
+    float thr;  // nonzero |x| below it take the exact division
+    bool valid;  // scale > 0 and finite: codes are computed (else they are 0)
+    bool fast;   // scale in [2^-125, 2^125]: the reciprocal path applies
+};
+
+__device__ __forceinline__ GroupQ group_q(uint32_t absmax_bits, float qmax, float rq)
+{
+    GroupQ g;
+    const float absmax = __uint_as_float(absmax_bits);
+    // scale = absmax / qmax, IEEE: the reciprocal path while absmax is a normal number well above 2^-126
+    g.scale = (absmax >= 0x1p-90f && absmax <= 3.402823466e38f) ? div_fast(absmax, qmax, rq)
+                                                                  : __fdiv_rn(absmax, qmax);
+    g.valid = g.scale > 0.0f && g.scale <= 3.402823466e38f;  // false for NaN and inf
+    g.fast = g.valid && g.scale >= 0x1p-125f && g.scale <= 0x1p125f;
+    g.r = g.fast ? __frcp_rn(g.scale) : 1.0f;
+    // |x| >= 2^-100 and |x / scale| >= 2^-100 keep every residual of the division normal (exact)
+    g.thr = fmaxf(0x1p-100f, __fmul_rn(g.scale, 0x1p-100f));
+    return g;
+}
+
+template <int BITS, bool STOCH, class Src>
+__device__ __forceinline__ void quantize_vector(const Src& src, const QuantOut& q, int64_t o, const float (&v)[8],
+                                                const GroupQ& g)
+{
+    float mk[8];
+    if (!g.valid) {
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) mk[t] = kMagic;  // code 0
+    } else {
+        bool exact = !g.fast;
+        if (g.fast) {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) exact |= (fabsf(v[t]) < g.thr) & (v[t] != 0.0f);
+        }
+        float y[8];
+        if (!exact) {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) y[t] = div_fast(v[t], g.scale, g.r);
+        } else {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) y[t] = __fdiv_rn(v[t], g.scale);
+        }
+        float u[8];
+        if constexpr (STOCH) {
+            uniforms8(q.key, q.offset + o, u);
+        } else {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) u[t] = 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) mk[t] = round_to_magic<STOCH>(y[t], u[t], q.qmax);
+    }
+    store_codes<BITS>(q.payload, o, q.vec, mk);
+    src.finish(o, mk, g.scale);
+}
+
+__device__ __forceinline__ uint32_t abs_bits_max(uint32_t m, float x)
+{
+    return max(m, __float_as_uint(x) & 0x7fffffffu);
+}
+
+// Register-resident tiles: a warp owns S steps (S*256 elements), all loaded before any arithmetic so that
+// S independent loads per lane are in flight.  SPG = steps per group: 1 when group_size divides 256
+// (group_size/8 lanes per group, reduced by a partial butterfly of shuffles), else group_size = 256*SPG.
+// launch_quant_t uses SPG = 1 only (larger groups go to quant_block_kernel), so group_size is a power of
+// two here and the scale index is a shift (q.group_shift).
+// Only launched when every pointer is aligned for vector access.
+// HAD: a Hadamard transform is applied (compile-time, so the butterfly is straight-line code).
+template <class Src, int BITS, bool STOCH, int S, int SPG, bool HAD>
+__global__ void __launch_bounds__(kThreads) quant_tiles_kernel(Src src, QuantOut q, int hadamard, int64_t num_tiles)
+{
+    static_assert(S % SPG == 0, "a tile holds whole groups");
+    const int lane = threadIdx.x & (kWarp - 1);
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x / kWarp);
+    if (tile >= num_tiles) return;  // uniform per warp: shuffles below see full warps
+    const int64_t base = tile * (static_cast<int64_t>(kStep) * S) + lane * kVec;
+
+    float v[S][kVec];
+#pragma unroll
+    for (int s = 0; s < S; ++s) src.template load<true>(base + s * kStep, v[s]);
+    if constexpr (HAD) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) hadamard_step(v[s], hadamard, lane);
+    }
+
+    const int lanes_per_group = (SPG == 1) ? static_cast<int>(q.group / kVec) : kWarp;
+#pragma unroll
+    for (int g = 0; g < S / SPG; ++g) {
+        uint32_t m = 0;
+#pragma unroll
+        for (int s = g * SPG; s < (g + 1) * SPG; ++s) {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) m = abs_bits_max(m, v[s][t]);
+        }
+#pragma unroll
+        for (int off = kWarp / 2; off >= 1; off >>= 1) {
+            if (off < lanes_per_group) m = max(m, __shfl_xor_sync(kFullMask, m, off));
+        }
+        const GroupQ gq = group_q(m, q.qmax, q.rq);
+#pragma unroll
+        for (int s = g * SPG; s < (g + 1) * SPG; ++s) {
+            const int64_t o = base + s * kStep;
+            if (o < q.n_pad) quantize_vector<BITS, STOCH>(src, q, o, v[s], gq);
+        }
+        const int64_t o0 = base + g * SPG * kStep;
+        if ((lane & (lanes_per_group - 1)) == 0 && o0 < q.n_pad) q.scales[o0 >> q.group_shift] = gq.scale;
+    }
+}
+
+// Group sizes 512..8192 that are multiples of 256 (the weights' 2048): one block of group_size/8 threads per
+// group, one vector per thread, the maximum reduced through shared memory.  Few registers per thread keep the
+// SM full of warps (keeping a 2048-element group in one warp's registers needs ~150 registers per lane).
+// Only launched when every pointer is aligned for vector access.
+template <class Src, int BITS, bool STOCH>
+__global__ void __launch_bounds__(1024) quant_block_kernel(Src src, QuantOut q, int hadamard)
+{
+    __shared__ uint32_t warp_max[32];
+    const int lane = threadIdx.x & (kWarp - 1);
+    const int64_t grp = blockIdx.x;
+    const int64_t o = grp * q.group + threadIdx.x * kVec;
+    float v[8];
+    src.template load<true>(o, v);
+    if (hadamard > 1) hadamard_step(v, hadamard, lane);  // warps cover aligned 256-element steps
+    uint32_t m = 0;
+#pragma unroll
+    for (int t = 0; t < kVec; ++t) m = abs_bits_max(m, v[t]);
+    m = __reduce_max_sync(kFullMask, m);
+    if (lane == 0) warp_max[threadIdx.x / kWarp] = m;
+    __syncthreads();
+    const int nwarps = blockDim.x / kWarp;
+    for (int w = 0; w < nwarps; ++w) m = max(m, warp_max[w]);
+    const GroupQ gq = group_q(m, q.qmax, q.rq);
+    quantize_vector<BITS, STOCH>(src, q, o, v, gq);
+    if (threadIdx.x == 0) q.scales[grp] = gq.scale;
+}
+
+// Any group size (a multiple of 8) and unaligned pointers: one warp per group, two passes over it (maximum,
+// then codes); the second pass mostly hits L2.
+template <class Src, int BITS, bool STOCH>
+__global__ void __launch_bounds__(kThreads) quant_groups_stream_kernel(Src src, QuantOut q, int hadamard,
+                                                                      int64_t num_groups, bool vec)
+{
+    const int lane = threadIdx.x & (kWarp - 1);
+    const int64_t grp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x / kWarp);
+    if (grp >= num_groups) return;
+    const int64_t start = grp * q.group;
+    const int64_t steps = (q.group + kStep - 1) / kStep;
+
+    auto load = [&](int64_t in_group, float (&v)[8]) {
+        if (in_group < q.group) {
+            if (vec) {
+                src.template load<true>(start + in_group, v);
+            } else {
+                src.template load<false>(start + in_group, v);
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[t] = 0.0f;
+        }
+        if (hadamard > 1) hadamard_step(v, hadamard, lane);  // a partial step holds whole blocks
+    };
+
+    uint32_t m = 0;
+    for (int64_t st = 0; st < steps; ++st) {
+        float v[8];
+        load(st * kStep + lane * kVec, v);
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) m = abs_bits_max(m, v[t]);
+    }
+    m = __reduce_max_sync(kFullMask, m);
+    const GroupQ gq = group_q(m, q.qmax, q.rq);
+
+    for (int64_t st = 0; st < steps; ++st) {
+        const int64_t in_group = st * kStep + lane * kVec;
+        float v[8];
+        load(in_group, v);
+        if (in_group < q.group) quantize_vector<BITS, STOCH>(src, q, start + in_group, v, gq);
+    }
+    if (lane == 0) q.scales[grp] = gq.scale;
+}
+
+// ------------------------------------------------------------------------------------------------------
+// host side
+// ------------------------------------------------------------------------------------------------------
+inline bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+inline unsigned int blocks_for(int64_t warps)
+{
+    return static_cast<unsigned int>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+inline QuantOut make_out(const QuantSpec& q, int64_t n_pad, uint8_t* payload, float* scales)
+{
+    QuantOut o;
+    o.payload = payload;
+    o.scales = scales;
+    o.group = q.group_size;
+    o.n_pad = n_pad;
+    o.qmax = static_cast<float>((1 << (q.bits - 1)) - 1);
+    o.rq = 1.0f / o.qmax;  // host IEEE division: RN(1/qmax)
+    o.group_shift = -1;
+    for (int b = 0; b < 62; ++b) {
+        if ((1ll << b) == q.group_size) o.group_shift = b;
+    }
+    o.key = q.key;
+    o.offset = q.offset;
+    o.vec = aligned(payload, q.bits == 8 ? 8 : 4);
+    return o;
+}
+
+// Kernel by group size: register tiles for divisors of 256, a block per group for multiples of 256 up to
+// 8192, the streaming kernel for everything else and whenever a pointer is misaligned.
+template <class Src, int BITS, bool STOCH>
+cudaError_t launch_quant_t(const Src& src, const QuantOut& q, int hadamard, bool vec, cudaStream_t stream)
+{
+    const int64_t g = q.group;
+    if (vec && q.vec && g <= kStep && kStep % g == 0) {
+        const int64_t nt = (q.n_pad + static_cast<int64_t>(kStep) * 4 - 1) / (kStep * 4);
+        if (hadamard > 1) {
+            quant_tiles_kernel<Src, BITS, STOCH, 4, 1, true>
+                <<<blocks_for(nt), kThreads, 0, stream>>>(src, q, hadamard, nt);
+        } else {
+            quant_tiles_kernel<Src, BITS, STOCH, 4, 1, false>
+                <<<blocks_for(nt), kThreads, 0, stream>>>(src, q, hadamard, nt);
+        }
+    } else if (vec && q.vec && g % kStep == 0 && g <= 1024 * kVec && q.n_pad / g < (1ll << 31)) {
+        quant_block_kernel<Src, BITS, STOCH>
+            <<<static_cast<unsigned int>(q.n_pad / g), static_cast<unsigned int>(g / kVec), 0, stream>>>(src, q,
+                                                                                                   hadamard);
+    } else {
+        const int64_t ng = q.n_pad / g;
+        quant_groups_stream_kernel<Src, BITS, STOCH>
+            <<<blocks_for(ng), kThreads, 0, stream>>>(src, q, hadamard, ng, vec);
+    }
+    return cudaGetLastError();
+}
+
+template <class Src>
+cudaError_t launch_quant(const Src& src, const QuantSpec& spec, int64_t n_pad, uint8_t* payload, float* scales,
+                         int hadamard, bool vec, cudaStream_t stream)
+{
+    if (n_pad == 0) return cudaSuccess;
+    const QuantOut q = make_out(spec, n_pad, payload, scales);
+    if (spec.bits == 8) {
+        return spec.stochastic ? launch_quant_t<Src, 8, true>(src, q, hadamard, vec, stream)
+                               : launch_quant_t<Src, 8, false>(src, q, hadamard, vec, stream);
+    }
+    return spec.stochastic ? launch_quant_t<Src, 4, true>(src, q, hadamard, vec, stream)
+                           : launch_quant_t<Src, 4, false>(src, q, hadamard, vec, stream);
+}
+
+}  // namespace dev
+}  // namespace sdp4bit

@@ -1,0 +1,86 @@
+// Op 1: (swizzle) + block Hadamard + group quantization of a float tensor (reference.hadamard_quantize).
+#include "sdp4bit_device.cuh"
+
+namespace sdp4bit {
+namespace {
+
+using namespace dev;
+
+template <typename T>
+struct SrcTensor {  // a float tensor, optionally read through the [rows, cols, seg] -> [cols, rows, seg] swizzle
+    const T* x;
+    int64_t n;
+    int64_t rows, cols, seg;  // rows == 0: no swizzle
+    FastDiv div_per_col;      // by rows * seg
+    FastDiv div_seg;          // by seg
+    bool seg_vec;             // seg % 8 == 0: an 8-element vector never straddles two segments
+
+    __device__ __forceinline__ int64_t src_index(int64_t o) const
+    {
+        // output order is [cols, rows, seg], input order [rows, cols, seg]
+        const int64_t c = div_per_col(o);
+        const int64_t rem = o - c * div_per_col.d;
+        const int64_t r = div_seg(rem);
+        return (r * cols + c) * seg + (rem - r * seg);
+    }
+
+    template <bool VEC>
+    __device__ __forceinline__ void load(int64_t o, float (&v)[8]) const
+    {
+        if (rows == 0) {
+            load_vals(x, o, n, VEC, true, v);
+        } else if (VEC && seg_vec) {
+            if (o < n) {
+                load_vals(x, src_index(o), n, true, true, v);
+            } else {
+#pragma unroll
+                for (int t = 0; t < kVec; ++t) v[t] = 0.0f;
+            }
+        } else {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[t] = (o + t < n) ? to_f(x[src_index(o + t)]) : 0.0f;
+        }
+    }
+
+    __device__ __forceinline__ void finish(int64_t, const float (&)[8], float) const {}
+};
+
+template <typename T>
+cudaError_t run(const T* x, int64_t n, int hadamard, int64_t rows, int64_t cols, const QuantSpec& q,
+                uint8_t* payload, float* scales, cudaStream_t stream)
+{
+    SrcTensor<T> src;
+    src.x = x;
+    src.n = n;
+    src.rows = rows > 0 ? rows : 0;
+    src.cols = rows > 0 ? cols : 0;
+    src.seg = rows > 0 ? n / (rows * cols) : 0;
+    src.div_per_col.init(rows > 0 ? rows * src.seg : 1);
+    src.div_seg.init(rows > 0 ? src.seg : 1);
+    src.seg_vec = rows == 0 || src.seg % kVec == 0;
+    // the register tiles need vector loads; a swizzle with seg % 8 != 0 goes through the streaming kernel
+    const bool vec = aligned(x, 16) && src.seg_vec;
+    return launch_quant(src, q, n, payload, scales, hadamard, vec, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_hadamard_quantize(const void* x, FloatKind x_kind, int64_t n, int hadamard_size,
+                                     int64_t swizzle_rows, int64_t swizzle_cols, const QuantSpec& q,
+                                     uint8_t* payload, float* scales, cudaStream_t stream)
+{
+    switch (x_kind) {
+        case FloatKind::kF32:
+            return run(static_cast<const float*>(x), n, hadamard_size, swizzle_rows, swizzle_cols, q, payload, scales,
+                       stream);
+        case FloatKind::kF16:
+            return run(static_cast<const __half*>(x), n, hadamard_size, swizzle_rows, swizzle_cols, q, payload, scales,
+                       stream);
+        case FloatKind::kBF16:
+            return run(static_cast<const __nv_bfloat16*>(x), n, hadamard_size, swizzle_rows, swizzle_cols, q, payload,
+                       scales, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace sdp4bit

@@ -1,0 +1,162 @@
+// Ops 2 and 3: dequantize k received chunks, sum them in chunk order in fp32, then either requantize
+// (reference.dequant_sum_requant) or inverse-Hadamard, scale and cast (reference.dequant_sum_inverse_hadamard).
+#include "sdp4bit_device.cuh"
+
+namespace sdp4bit {
+namespace {
+
+using namespace dev;
+
+template <int BITS>
+struct SrcDequantSum {
+    const uint8_t* payloads;
+    const float* scales;
+    int64_t row_bytes;       // payload bytes per chunk
+    int64_t scales_per_row;  // groups per chunk
+    int64_t m;               // elements per chunk (a multiple of 8)
+    FastDiv div_group;       // by the input group size
+    int k;
+
+    // acc = d_0; acc = acc + d_1; ... with d_j = code * scale: one rounded multiply and one rounded add per
+    // chunk, never an FMA.  Elements at and past m (output padding) are zeros.
+    template <bool VEC>
+    __device__ __forceinline__ void load(int64_t o, float (&v)[8]) const
+    {
+        if (o >= m) {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[t] = 0.0f;
+            return;
+        }
+        const int64_t g = div_group(o);
+        {
+            float c[8];
+            load_codes<BITS>(payloads, o, VEC, c);
+            const float s = __ldg(scales + g);
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[t] = __fmul_rn(c[t], s);
+        }
+#pragma unroll 4
+        for (int j = 1; j < k; ++j) {
+            float c[8];
+            load_codes<BITS>(payloads + j * row_bytes, o, VEC, c);
+            const float s = __ldg(scales + j * scales_per_row + g);
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[t] = __fadd_rn(v[t], __fmul_rn(c[t], s));
+        }
+    }
+
+    __device__ __forceinline__ void finish(int64_t, const float (&)[8], float) const {}
+};
+
+template <int BITS>
+SrcDequantSum<BITS> make_sum(const uint8_t* payloads, const float* scales, int k, int64_t m, int64_t group)
+{
+    SrcDequantSum<BITS> s;
+    s.payloads = payloads;
+    s.scales = scales;
+    s.row_bytes = m * BITS / 8;
+    s.scales_per_row = m / group;
+    s.m = m;
+    s.div_group.init(group);
+    s.k = k;
+    return s;
+}
+
+// Op 3: a warp owns kSumSteps steps; sum, inverse butterfly, one fp32 multiply, cast.
+constexpr int kSumSteps = 4;
+
+template <int BITS, typename TO, bool HAD>
+__global__ void __launch_bounds__(kThreads) dequant_sum_ih_kernel(SrcDequantSum<BITS> src, TO* __restrict__ out,
+                                                                 int hadamard, float factor, bool vec_in,
+                                                                 bool vec_out, int64_t num_tiles)
+{
+    const int lane = threadIdx.x & (kWarp - 1);
+    const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x / kWarp);
+    if (tile >= num_tiles) return;
+    const int64_t base = tile * (static_cast<int64_t>(kStep) * kSumSteps) + lane * kVec;
+    float v[kSumSteps][kVec];
+    if (vec_in) {
+#pragma unroll
+        for (int s = 0; s < kSumSteps; ++s) src.template load<true>(base + s * kStep, v[s]);
+    } else {
+#pragma unroll
+        for (int s = 0; s < kSumSteps; ++s) src.template load<false>(base + s * kStep, v[s]);
+    }
+#pragma unroll
+    for (int s = 0; s < kSumSteps; ++s) {
+        if constexpr (HAD) hadamard_step(v[s], hadamard, lane);
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) v[s][t] = __fmul_rn(v[s][t], factor);
+        const int64_t o = base + s * kStep;
+        if (o < src.m) store_vals<TO>(out, o, src.m, vec_out, v[s]);
+    }
+}
+
+template <int BITS>
+cudaError_t requant(const uint8_t* payloads, const float* in_scales, int k, int64_t m, int64_t in_group,
+                    const QuantSpec& q, uint8_t* payload, float* scales, cudaStream_t stream)
+{
+    const auto src = make_sum<BITS>(payloads, in_scales, k, m, in_group);
+    const int64_t n_pad = (m + q.group_size - 1) / q.group_size * q.group_size;
+    // rows start at multiples of 8 (bits=8) or 4 (bits=4) bytes because m % 8 == 0
+    const bool vec = aligned(payloads, BITS == 8 ? 8 : 4);
+    return launch_quant(src, q, n_pad, payload, scales, 0, vec, stream);
+}
+
+template <int BITS, typename TO>
+cudaError_t inverse(const uint8_t* payloads, const float* in_scales, int k, int64_t m, int64_t group, int hadamard,
+                    float factor, TO* out, cudaStream_t stream)
+{
+    if (m == 0) return cudaSuccess;
+    const auto src = make_sum<BITS>(payloads, in_scales, k, m, group);
+    const int64_t nt = (m + static_cast<int64_t>(kStep) * kSumSteps - 1) / (kStep * kSumSteps);
+    const bool vin = aligned(payloads, BITS == 8 ? 8 : 4);
+    const bool vout = aligned(out, 16);
+    if (hadamard > 1) {
+        dequant_sum_ih_kernel<BITS, TO, true>
+            <<<blocks_for(nt), kThreads, 0, stream>>>(src, out, hadamard, factor, vin, vout, nt);
+    } else {
+        dequant_sum_ih_kernel<BITS, TO, false>
+            <<<blocks_for(nt), kThreads, 0, stream>>>(src, out, hadamard, factor, vin, vout, nt);
+    }
+    return cudaGetLastError();
+}
+
+template <int BITS>
+cudaError_t inverse_any(const uint8_t* payloads, const float* in_scales, int k, int64_t m, int64_t group,
+                        int hadamard, float factor, void* out, FloatKind out_kind, cudaStream_t stream)
+{
+    switch (out_kind) {
+        case FloatKind::kF32:
+            return inverse<BITS>(payloads, in_scales, k, m, group, hadamard, factor, static_cast<float*>(out), stream);
+        case FloatKind::kF16:
+            return inverse<BITS>(payloads, in_scales, k, m, group, hadamard, factor, static_cast<__half*>(out), stream);
+        case FloatKind::kBF16:
+            return inverse<BITS>(payloads, in_scales, k, m, group, hadamard, factor,
+                                 static_cast<__nv_bfloat16*>(out), stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_dequant_sum_requant(const uint8_t* payloads, const float* in_scales, int k, int64_t m,
+                                       int in_bits, int64_t in_group, const QuantSpec& q, uint8_t* payload,
+                                       float* scales, cudaStream_t stream)
+{
+    return in_bits == 8 ? requant<8>(payloads, in_scales, k, m, in_group, q, payload, scales, stream)
+                        : requant<4>(payloads, in_scales, k, m, in_group, q, payload, scales, stream);
+}
+
+cudaError_t launch_dequant_sum_inverse_hadamard(const uint8_t* payloads, const float* in_scales, int k,
+                                                int64_t m, int bits, int64_t group_size, int hadamard_size,
+                                                float factor, void* out, FloatKind out_kind,
+                                                cudaStream_t stream)
+{
+    return bits == 8 ? inverse_any<8>(payloads, in_scales, k, m, group_size, hadamard_size, factor, out, out_kind,
+                                      stream)
+                     : inverse_any<4>(payloads, in_scales, k, m, group_size, hadamard_size, factor, out, out_kind,
+                                      stream);
+}
+
+}  // namespace sdp4bit

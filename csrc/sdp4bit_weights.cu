@@ -1,0 +1,140 @@
+// Ops 4 and 5: the two halves of qWD (reference.weight_delta_quantize and reference.dequant_add_).
+#include "sdp4bit_device.cuh"
+
+namespace sdp4bit {
+namespace {
+
+using namespace dev;
+
+template <typename T>
+struct SrcWeightDelta {  // master - replica (diff) or master (direct); finish() updates the replica in place
+    const float* master;
+    T* replica;
+    int64_t n;
+    int diff;
+
+    template <bool VEC>
+    __device__ __forceinline__ void load(int64_t o, float (&v)[8]) const
+    {
+        load_vals(master, o, n, VEC, true, v);
+        if (diff) {
+            float r[8];
+            load_vals<T>(replica, o, n, VEC, false, r);  // plain loads: this kernel writes the replica
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[t] = __fsub_rn(v[t], r[t]);
+        }
+    }
+
+    // replica = cast(float(replica) + code * scale) (diff) or cast(code * scale) (direct).  The vector is
+    // aligned exactly when the loads were (same pointers), so `vec` follows from the pointers.
+    __device__ __forceinline__ void finish(int64_t o, const float (&mk)[8], float scale) const
+    {
+        if (o >= n) return;
+        const bool vec = (reinterpret_cast<uintptr_t>(replica) % 16 == 0) &&
+                         (reinterpret_cast<uintptr_t>(master) % 16 == 0);
+        float r[8];
+        if (diff) {
+            // re-read rather than keep the replica in registers: it is still in L1/L2, and keeping it would
+            // double the registers of the 2048-element tiles.  Only this thread writes these elements.
+            load_vals<T>(replica, o, n, vec, false, r);
+        }
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+            const float d = __fmul_rn(code_float(mk[t]), scale);
+            r[t] = diff ? __fadd_rn(r[t], d) : d;
+        }
+        store_vals<T>(replica, o, n, vec, r);
+    }
+};
+
+template <typename T>
+cudaError_t weight_delta(const float* master, T* replica, int64_t n, int diff, const QuantSpec& q, uint8_t* payload,
+                         float* scales, cudaStream_t stream)
+{
+    SrcWeightDelta<T> src;
+    src.master = master;
+    src.replica = replica;
+    src.n = n;
+    src.diff = diff;
+    const bool vec = aligned(master, 16) && aligned(replica, 16);
+    const int64_t n_pad = (n + q.group_size - 1) / q.group_size * q.group_size;
+    return launch_quant(src, q, n_pad, payload, scales, 0, vec, stream);
+}
+
+// Op 5: elementwise, one vector of 8 per thread, grid-stride.
+template <typename T, int BITS>
+__global__ void __launch_bounds__(kThreads) dequant_add_kernel(T* __restrict__ replica, int64_t n,
+                                                              const uint8_t* __restrict__ payload,
+                                                              const float* __restrict__ scales, FastDiv div_group,
+                                                              int diff, bool vec)
+{
+    const int64_t nvec = (n + kVec - 1) / kVec;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t iv = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; iv < nvec; iv += stride) {
+        const int64_t o = iv * kVec;
+        float c[8];
+        load_codes<BITS>(payload, o, vec, c);
+        const float s = __ldg(scales + div_group(o));
+        float r[8];
+        if (diff) load_vals<T>(replica, o, n, vec, false, r);
+#pragma unroll
+        for (int t = 0; t < kVec; ++t) {
+            const float d = __fmul_rn(c[t], s);
+            r[t] = diff ? __fadd_rn(r[t], d) : d;
+        }
+        store_vals<T>(replica, o, n, vec, r);
+    }
+}
+
+template <typename T>
+cudaError_t dequant_add(T* replica, int64_t n, const uint8_t* payload, const float* scales, int bits, int64_t group,
+                        int diff, cudaStream_t stream)
+{
+    if (n == 0) return cudaSuccess;
+    const bool vec = aligned(replica, 16) && aligned(payload, bits == 8 ? 8 : 4);
+    const int64_t nvec = (n + kVec - 1) / kVec;
+    const int64_t blocks = (nvec + kThreads - 1) / kThreads;
+    const unsigned int grid = static_cast<unsigned int>(blocks < (1ll << 30) ? blocks : (1ll << 30));
+    FastDiv dg;
+    dg.init(group);
+    if (bits == 8) {
+        dequant_add_kernel<T, 8><<<grid, kThreads, 0, stream>>>(replica, n, payload, scales, dg, diff, vec);
+    } else {
+        dequant_add_kernel<T, 4><<<grid, kThreads, 0, stream>>>(replica, n, payload, scales, dg, diff, vec);
+    }
+    return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_weight_delta_quantize(const float* master, void* replica, FloatKind replica_kind, int64_t n,
+                                         int diff, const QuantSpec& q, uint8_t* payload, float* scales,
+                                         cudaStream_t stream)
+{
+    switch (replica_kind) {
+        case FloatKind::kF32:
+            return weight_delta(master, static_cast<float*>(replica), n, diff, q, payload, scales, stream);
+        case FloatKind::kF16:
+            return weight_delta(master, static_cast<__half*>(replica), n, diff, q, payload, scales, stream);
+        case FloatKind::kBF16:
+            return weight_delta(master, static_cast<__nv_bfloat16*>(replica), n, diff, q, payload, scales, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_dequant_add(void* replica, FloatKind replica_kind, int64_t n, const uint8_t* payload,
+                               const float* scales, int bits, int64_t group_size, int diff, cudaStream_t stream)
+{
+    switch (replica_kind) {
+        case FloatKind::kF32:
+            return dequant_add(static_cast<float*>(replica), n, payload, scales, bits, group_size, diff, stream);
+        case FloatKind::kF16:
+            return dequant_add(static_cast<__half*>(replica), n, payload, scales, bits, group_size, diff, stream);
+        case FloatKind::kBF16:
+            return dequant_add(static_cast<__nv_bfloat16*>(replica), n, payload, scales, bits, group_size, diff,
+                               stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+}  // namespace sdp4bit

@@ -1,0 +1,474 @@
+"""The CUDA kernels (deepspeed_sdp4bit/kernels/cuda_backend.py, csrc/) against reference.py, bit for bit.
+
+Codes, payload bytes and scales must be torch.equal to the reference (NaN positions compared separately);
+float outputs (op 3, replicas of ops 4/5) too, since the kernels follow the reference's operation order.
+Outputs are poisoned before each run so an element the kernel forgot to write shows up as a mismatch.
+
+Needs a CUDA device and a toolchain that can JIT-build the extension: on a GPU machine a failed build is a
+test failure, not a skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepspeed_sdp4bit import ops
+from deepspeed_sdp4bit import reference as R
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(),
+                       reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+POISON = 0xA5         # byte poison of payload buffers
+FPOISON = -7777.0     # float poison (finite: a NaN expected in the output must still be written)
+
+
+@pytest.fixture(scope="module")
+def cb():
+    from deepspeed_sdp4bit.kernels import cuda_backend
+    backend = cuda_backend.make_backend()
+    ok, why = backend.available(torch.device("cuda"))
+    assert ok, f"cuda backend unavailable on a CUDA machine: {why}"
+    return backend
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+# ----------------------------------------------------------------------------------------------------------
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def make_data(kind: str, n: int, group: int, seed: int) -> torch.Tensor:
+    """fp32 CPU test data of ``n`` elements (group-aware for the special cases)."""
+    g = _gen(seed)
+    if kind == "randn":
+        return torch.randn(n, generator=g) * 0.02
+    if kind == "heavy":
+        # Student-t(2) body (ratio of normals) with rare huge outliers: the gradients SDP4Bit targets
+        z = torch.randn(n, generator=g)
+        chi = (torch.randn(n, generator=g) ** 2 + torch.randn(n, generator=g) ** 2) / 2
+        x = z / chi.sqrt().clamp_min(1e-3)
+        idx = torch.randint(0, n, (max(n // 300, 1),), generator=g)
+        x[idx] *= 1000.0
+        return x * 1e-3
+    if kind == "zeros":
+        return torch.zeros(n)
+    if kind == "special":
+        x = torch.randn(n, generator=g)
+        ng = n // group
+        # ties: y = x / scale lands on k + 0.5 exactly (scale 1 when the group's max is qmax = 7 or 127)
+        if ng > 0:
+            t = (torch.arange(group) % 14 - 7).float() + 0.5
+            t[0] = 127.0
+            x[:group] = t
+        if ng > 1:
+            x[group: 2 * group] = 0.0                        # all-zero group
+        if ng > 2:
+            x[2 * group + 3] = float("nan")                  # NaN group
+        if ng > 3:
+            x[3 * group + 1] = float("inf")                  # inf group
+        if ng > 4:
+            x[4 * group: 5 * group] *= 1e-39                 # denormal scales
+        if ng > 5:
+            x[5 * group + group // 2] = float("-inf")
+        if ng > 6:
+            x[6 * group: 7 * group] = 0.0
+            x[6 * group + 5] = 1e-44                         # absmax/qmax underflows to 0
+        if ng > 7:
+            t = (torch.arange(group) % 14 - 7).float() + 0.5  # ties for 4 bits (max 7: scale 1)
+            t[0] = 7.0
+            x[7 * group: 8 * group] = t
+        if ng > 8:
+            # a normal scale with elements whose quotient or residual would underflow (the exact-division path)
+            x[8 * group + 1] = 1e-35
+            x[8 * group + 2] = -3e-40
+            x[8 * group + 3] = 2.0 ** -101
+            x[8 * group + 4] = -(2.0 ** -126)
+        return x
+    raise ValueError(kind)
+
+
+KINDS = ["randn", "heavy", "zeros", "special"]
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got = got.detach().cpu().reshape(-1)
+    want = want.detach().cpu().reshape(-1)
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.numel() == want.numel(), f"{what}: {got.numel()} elements != {want.numel()}"
+    if got.is_floating_point():
+        gn, wn = torch.isnan(got), torch.isnan(want)
+        assert torch.equal(gn, wn), f"{what}: NaN at {torch.nonzero(gn != wn)[:5].flatten().tolist()}"
+        got, want = got[~gn], want[~wn]
+    if not torch.equal(got, want):
+        bad = torch.nonzero(got != want).flatten()
+        i = int(bad[0])
+        raise AssertionError(f"{what}: {bad.numel()} of {got.numel()} differ; first at {i}: got {got[i].item()}, "
+                             f"want {want[i].item()}")
+
+
+def poisoned(numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """A CUDA buffer of ``numel`` filled with garbage; ``offset`` > 0 returns a misaligned view into a larger one."""
+    base = torch.empty(numel + offset, dtype=torch.uint8 if dtype == torch.uint8 else dtype, device="cuda")
+    if dtype == torch.uint8:
+        base.fill_(POISON)
+    else:
+        base.fill_(FPOISON)
+    return base[offset:]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# op 1
+# ----------------------------------------------------------------------------------------------------------
+# (group_size, hadamard_size, groups): register tiles (divisors of 256), a block per group (multiples of 256 up
+# to 8192), the streaming kernel (96, 160, 16384), every Hadamard size the kernels take (8..256; the reference
+# also defines 2 and 4, which the binding refuses), odd group counts for partial tiles, and >= 9 groups where
+# the "special" data has all its cases.
+OP1_CASES = [
+    (128, 32, 7), (128, None, 9), (128, 128, 3), (32, 32, 33), (8, 8, 5), (16, 8, 3), (32, 16, 3), (64, 16, 11),
+    (256, 256, 5), (512, 32, 3), (1024, 64, 3), (2048, None, 3), (2048, 256, 1), (96, 32, 7), (768, 256, 3),
+    (4096, 32, 3), (160, 32, 5), (2048, 32, 9), (8192, 64, 3), (16384, None, 2), (512, None, 10),
+]
+
+
+@pytest.mark.parametrize("case", OP1_CASES, ids=lambda c: f"g{c[0]}-h{c[1]}-n{c[2]}")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_hadamard_quantize_matches_reference(cb, case, bits, rounding):
+    group, had, ngroups = case
+    n = group * ngroups
+    key = R.make_key(1234, group, bits) if rounding == "stochastic" else None
+    for kind in KINDS:
+        for dtype in DTYPES:
+            x = make_data(kind, n, group, seed=n + bits).to(dtype)
+            p_ref, s_ref = R.hadamard_quantize(x, bits, group, had, rounding, key, 17)
+            out = poisoned(n * bits // 8, torch.uint8)
+            out_s = poisoned(ngroups, torch.float32)
+            p, s = cb.hadamard_quantize(x.cuda(), bits, group, had, rounding, key, 17, out=out, out_scales=out_s)
+            assert p is out and s is out_s
+            tag = f"{kind}/{dtype}/g{group}/h{had}/b{bits}/{rounding}"
+            assert_same(s, s_ref, f"scales {tag}")
+            assert_same(p, p_ref, f"payload {tag}")
+
+
+@pytest.mark.parametrize("swz", [(2, 4, 128, 32), (2, 4, 96 * 4, 128), (4, 4, 20, 32), (3, 2, 2048, 2048)],
+                         ids=["seg-multiple", "groups-straddle-segments", "seg-not-multiple-of-8", "big-groups"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_hadamard_quantize_swizzle(cb, swz, rounding):
+    rows, cols, seg, group = swz
+    n = rows * cols * seg
+    had = 32 if group % 32 == 0 else None
+    key = R.make_key(7, rows, cols) if rounding == "stochastic" else None
+    for dtype in DTYPES:
+        for bits in (4, 8):
+            x = make_data("heavy", n, group, seed=seg).to(dtype)
+            p_ref, s_ref = R.hadamard_quantize(x, bits, group, had, rounding, key, 5, swizzle=(rows, cols))
+            p, s = cb.hadamard_quantize(x.cuda(), bits, group, had, rounding, key, 5, swizzle=(rows, cols))
+            assert_same(s, s_ref, f"scales swizzle {swz} {dtype} b{bits}")
+            assert_same(p, p_ref, f"payload swizzle {swz} {dtype} b{bits}")
+
+
+@pytest.mark.parametrize("offset", [0, (1 << 32) - 37, -5, 3 * (1 << 32) + 11])
+def test_stochastic_counters_past_32_bits(cb, offset):
+    group, n = 128, 128 * 5
+    key = R.make_key(99, 1, 2)
+    x = make_data("randn", n, group, seed=3)
+    for bits in (4, 8):
+        p_ref, s_ref = R.hadamard_quantize(x, bits, group, 32, "stochastic", key, offset)
+        p, s = cb.hadamard_quantize(x.cuda(), bits, group, 32, "stochastic", key, offset)
+        assert_same(p, p_ref, f"payload offset={offset} b{bits}")
+        assert_same(s, s_ref, f"scales offset={offset} b{bits}")
+
+
+def test_misaligned_input_and_outputs(cb):
+    """Views that start off a 16-byte boundary take the scalar path and must give the same bits."""
+    group, n = 128, 128 * 7
+    for dtype in DTYPES:
+        big = make_data("heavy", n + 3, group, seed=11).to(dtype).cuda()
+        x = big[1:1 + n]
+        for bits in (4, 8):
+            p_ref, s_ref = R.hadamard_quantize(x.cpu(), bits, group, 32)
+            out = poisoned(n * bits // 8, torch.uint8, offset=1)
+            p, s = cb.hadamard_quantize(x, bits, group, 32, out=out)
+            assert_same(p, p_ref, f"misaligned payload {dtype} b{bits}")
+            assert_same(s, s_ref, f"misaligned scales {dtype} b{bits}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ops 2 and 3
+# ----------------------------------------------------------------------------------------------------------
+def make_chunks(k: int, m: int, bits: int, group: int, seed: int, kind: str):
+    """[k, m*bits/8] payloads and [k, m/group] scales: real quantized data, or arbitrary bytes with odd scales."""
+    g = _gen(seed)
+    if kind == "quantized":
+        ps, ss = [], []
+        for j in range(k):
+            x = make_data("heavy", m, group, seed=seed * 31 + j)
+            p, s = R.hadamard_quantize(x, bits, group, None)
+            ps.append(p)
+            ss.append(s)
+        return torch.stack(ps), torch.stack(ss)
+    # every byte value (codes -128 and -8 included) and scales with inf, NaN, 0 and denormals
+    payloads = torch.randint(0, 256, (k, m * bits // 8), generator=g, dtype=torch.uint8)
+    scales = torch.rand(k, m // group, generator=g) * 0.01
+    if m // group >= 4:
+        scales[k - 1, 0] = float("inf")
+        scales[0, 1] = float("nan")
+        scales[k // 2, 2] = 0.0
+        scales[0, 3] = 1e-41
+    return payloads, scales
+
+
+# (in group, out group or None, groups per chunk)
+OP2_CASES = [(128, None, 7), (128, 256, 7), (128, 2048, 5), (96, 160, 5), (128, 4096, 3), (32, 8, 9), (256, 128, 3)]
+
+
+@pytest.mark.parametrize("case", OP2_CASES, ids=lambda c: f"in{c[0]}-out{c[1]}-n{c[2]}")
+@pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 4), (8, 8), (4, 8)])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_dequant_sum_requant_matches_reference(cb, case, in_bits, out_bits, rounding):
+    group, ogroup, ngroups = case
+    m = group * ngroups
+    key = R.make_key(5, in_bits, out_bits) if rounding == "stochastic" else None
+    for k in (1, 3, 8):
+        for kind in ("quantized", "bytes"):
+            payloads, scales = make_chunks(k, m, in_bits, group, seed=k + m, kind=kind)
+            p_ref, s_ref = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, group, rounding, key, 40,
+                                                 ogroup)
+            out = poisoned(p_ref.numel(), torch.uint8)
+            out_s = poisoned(s_ref.numel(), torch.float32)
+            p, s = cb.dequant_sum_requant(payloads.cuda(), scales.cuda(), in_bits, out_bits, group, rounding, key, 40,
+                                          ogroup, out=out, out_scales=out_s)
+            tag = f"k{k}/{kind}/in{group}/out{ogroup}/{in_bits}->{out_bits}/{rounding}"
+            assert_same(s, s_ref, f"scales {tag}")
+            assert_same(p, p_ref, f"payload {tag}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("had", [None, 32, 256])
+@pytest.mark.parametrize("out_dtype", DTYPES)
+def test_dequant_sum_inverse_hadamard_matches_reference(cb, bits, had, out_dtype):
+    group, m = 128, 256 * 7
+    for k in (1, 4):
+        for kind in ("quantized", "bytes"):
+            payloads, scales = make_chunks(k, m, bits, group, seed=k * 7 + bits, kind=kind)
+            for post_scale in (1.0, 1.0 / 3.0, 0.25):
+                ref = R.dequant_sum_inverse_hadamard(payloads, scales, bits, group, had, out_dtype, post_scale)
+                tag = f"k{k}/{kind}/b{bits}/h{had}/{out_dtype}/ps{post_scale}"
+                got = cb.dequant_sum_inverse_hadamard(payloads.cuda(), scales.cuda(), bits, group, had, out_dtype,
+                                                      post_scale)
+                assert_same(got, ref, f"out {tag}")
+                # out= larger than m, misaligned: only the first m elements are written
+                buf = poisoned(m + 5, out_dtype, offset=1)
+                got = cb.dequant_sum_inverse_hadamard(payloads.cuda(), scales.cuda(), bits, group, had,
+                                                      post_scale=post_scale, out=buf)
+                assert got is buf
+                assert_same(buf[:m], ref, f"out= {tag}")
+                assert bool((buf[m:] == FPOISON).all()), f"out= {tag}: wrote past m"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ops 4 and 5
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group", [128, 256, 2048, 96, 4096])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("mode", ["diff", "direct"])
+def test_weight_delta_quantize_and_dequant_add(cb, group, bits, rounding, mode):
+    key = R.make_key(77, group, bits) if rounding == "stochastic" else None
+    for n in (group * 5, group * 5 - 3, 1001):
+        for rdt in DTYPES:
+            for misalign in (0, 1):
+                g = _gen(n + group)
+                master = torch.randn(n, generator=g) * 0.05
+                if n > group:
+                    master[group + 7] = float("nan")  # a non-finite group stays non-finite on every replica
+                replica = (master + torch.randn(n, generator=g) * 1e-3).to(rdt)
+                rep_ref = replica.clone()
+                p_ref, s_ref = R.weight_delta_quantize(master, rep_ref, bits, group, rounding, key, 3, mode)
+
+                mbuf = torch.empty(n + misalign, device="cuda")
+                mbuf[misalign:] = master.cuda()
+                rbuf = torch.empty(n + misalign, dtype=rdt, device="cuda")
+                rbuf[misalign:] = replica.cuda()
+                rep = rbuf[misalign:]
+                out = poisoned(p_ref.numel(), torch.uint8, offset=misalign)
+                out_s = poisoned(s_ref.numel(), torch.float32)
+                p, s = cb.weight_delta_quantize(mbuf[misalign:], rep, bits, group, rounding, key, 3, mode,
+                                                out=out, out_scales=out_s)
+                tag = f"n{n}/{rdt}/g{group}/b{bits}/{rounding}/{mode}/mis{misalign}"
+                assert_same(s, s_ref, f"scales {tag}")
+                assert_same(p, p_ref, f"payload {tag}")
+                assert_same(rep, rep_ref, f"replica {tag}")
+
+                # op 5: a receiver applying the same payload reaches the owner's replica bit for bit
+                recv = replica.cuda()
+                recv_ref = R.dequant_add_(replica.clone(), p_ref, s_ref, bits, group, mode)
+                res = cb.dequant_add_(recv, p_ref.cuda(), s_ref.cuda(), bits, group, mode)
+                assert res is recv
+                assert_same(recv, recv_ref, f"dequant_add_ {tag}")
+                assert_same(recv, rep_ref, f"dequant_add_ vs owner {tag}")
+
+
+def test_dequant_add_misaligned_and_arbitrary_bytes(cb):
+    group, n = 2048, 2048 * 3 - 5
+    g = _gen(5)
+    for bits in (4, 8):
+        payload = torch.randint(0, 256, (2048 * 3 * bits // 8,), generator=g, dtype=torch.uint8)
+        scales = torch.rand(3, generator=g)
+        scales[1] = float("inf")
+        for rdt in DTYPES:
+            for mode in ("diff", "direct"):
+                replica = torch.randn(n, generator=g).to(rdt)
+                ref = R.dequant_add_(replica.clone(), payload, scales, bits, group, mode)
+                buf = torch.empty(n + 1, dtype=rdt, device="cuda")
+                buf[1:] = replica.cuda()
+                cb.dequant_add_(buf[1:], payload.cuda(), scales.cuda(), bits, group, mode)
+                assert_same(buf[1:], ref, f"dequant_add_ misaligned {rdt} b{bits} {mode}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# plumbing: streams, no allocation with out buffers, no host synchronization, dispatch
+# ----------------------------------------------------------------------------------------------------------
+def test_side_stream_no_sync_no_alloc(cb):
+    group, n = 128, 128 * 64
+    x = make_data("heavy", n, group, seed=2).to(torch.bfloat16)
+    key = R.make_key(1, 2, 3)
+    p_ref, s_ref = R.hadamard_quantize(x, 8, group, 32, "stochastic", key, 0)
+    xc = x.cuda()
+    out = torch.empty(n, dtype=torch.uint8, device="cuda")
+    out_s = torch.empty(n // group, device="cuda")
+    cb.hadamard_quantize(xc, 8, group, 32, "stochastic", key, 0, out=out, out_scales=out_s)  # build/warm
+    torch.cuda.synchronize()
+    out.fill_(POISON)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronization inside the op raises
+    try:
+        with torch.cuda.stream(side):
+            cb.hadamard_quantize(xc, 8, group, 32, "stochastic", key, 0, out=out, out_scales=out_s)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.cuda.max_memory_allocated() == before, "the op allocated device memory despite out buffers"
+    side.synchronize()
+    assert_same(out, p_ref, "payload on a side stream")
+    assert_same(out_s, s_ref, "scales on a side stream")
+
+
+def test_auto_backend_picks_cuda(cb):
+    assert ops.get_backend("auto", "cuda").name == "cuda"
+    assert ops.get_backend("cuda", "cuda").name == "cuda"
+    ok, why = cb.available(torch.device("cpu"))
+    assert not ok and "CUDA tensors" in why
+
+
+def test_empty_inputs(cb):
+    x = torch.empty(0, device="cuda")
+    p, s = cb.hadamard_quantize(x, 4, 128, 32)
+    assert p.numel() == 0 and s.numel() == 0
+    rep = torch.empty(0, device="cuda")
+    p, s = cb.weight_delta_quantize(rep.clone(), rep, 4, 2048)
+    assert p.numel() == 0 and s.numel() == 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# binding input checks
+# ----------------------------------------------------------------------------------------------------------
+def _ext():
+    from deepspeed_sdp4bit import _native
+    return _native.load_extension()
+
+
+def _rejects(msg: str, needle: str) -> None:
+    """The binding returns its error message instead of launching ('' means it launched)."""
+    assert msg, f"the binding accepted an input it should reject ({needle!r})"
+    assert needle in msg, f"expected {needle!r} in the binding's message {msg!r}"
+
+
+def test_binding_rejects_bad_inputs(cb):
+    ext = _ext()
+    x = torch.randn(1024, device="cuda")
+    out = torch.empty(512, dtype=torch.uint8, device="cuda")
+    out_s = torch.empty(8, device="cuda")
+
+    def hq(**kw):
+        args = dict(x=x, bits=4, group=128, had=32, rnd=0, key=0, off=0, rows=0, cols=0, out=out, out_s=out_s)
+        args.update(kw)
+        return ext.hadamard_quantize(args["x"], args["bits"], args["group"], args["had"], args["rnd"], args["key"],
+                                     args["off"], args["rows"], args["cols"], args["out"], args["out_s"])
+
+    assert hq() == ""  # the baseline call is valid and launches
+    _rejects(hq(x=x.cpu()), "CUDA tensor")
+    _rejects(hq(x=x.to(torch.float64)), "x must be float32, float16 or bfloat16")
+    _rejects(hq(x=torch.randn(2048, device="cuda")[::2]), "contiguous")
+    _rejects(hq(bits=3), "bits must be 4 or 8")
+    _rejects(hq(group=12), "multiple of 8")
+    _rejects(hq(had=512, group=1024, out_s=torch.empty(1, device="cuda")), "hadamard_size")
+    _rejects(hq(had=24), "hadamard_size")
+    _rejects(hq(had=4), "power of two in 8..256")
+    _rejects(hq(group=128, had=256), "multiple of hadamard_size")
+    _rejects(hq(x=torch.randn(1000, device="cuda")), "not a multiple of group_size")
+    _rejects(hq(rnd=2), "rounding")
+    _rejects(hq(out=torch.empty(511, dtype=torch.uint8, device="cuda")), "out has")
+    _rejects(hq(out=torch.empty(512, dtype=torch.int8, device="cuda")), "out must be")
+    _rejects(hq(out=torch.empty(512, dtype=torch.uint8)), "out must be a CUDA tensor")
+    _rejects(hq(out_s=torch.empty(8, dtype=torch.float16, device="cuda")), "out_scales")
+    _rejects(hq(rows=3, cols=5), "segments")
+    _rejects(hq(rows=2, cols=0), "swizzle")
+
+    payloads = torch.zeros(4, 512, dtype=torch.uint8, device="cuda")
+    scales = torch.ones(4, 8, device="cuda")
+    dsr = ext.dequant_sum_requant
+    assert dsr(payloads, scales, 4, 4, 128, 0, 0, 0, 128, out, out_s) == ""
+    _rejects(dsr(payloads.view(-1), scales, 4, 4, 128, 0, 0, 0, 128, out, out_s), "2-D")
+    _rejects(dsr(payloads, scales.reshape(-1)[:28], 4, 4, 128, 0, 0, 0, 128, out, out_s), "scales has")
+    _rejects(dsr(payloads, scales.half(), 4, 4, 128, 0, 0, 0, 128, out, out_s), "scales must be")
+    _rejects(dsr(payloads, scales, 4, 4, 128, 0, 0, 0, 100, out, out_s), "out_group_size")
+    _rejects(dsr(payloads[:0], scales[:0], 4, 4, 128, 0, 0, 0, 128, out, out_s), "at least one chunk")
+    _rejects(dsr(payloads, scales, 4, 4, 128, 0, 0, 0, 256, out, out_s), "out_scales has")
+    dsih = ext.dequant_sum_inverse_hadamard
+    assert dsih(payloads, scales, 4, 128, 32, 1.0, torch.empty(1024, device="cuda")) == ""
+    _rejects(dsih(payloads, scales, 4, 128, 32, 1.0, torch.empty(1000, device="cuda")), "needs at least")
+    _rejects(dsih(payloads, scales, 4, 128, 32, 1.0, torch.empty(1024, dtype=torch.int32, device="cuda")),
+             "out must be float32")
+
+    master = torch.randn(1000, device="cuda")
+    rep = master.bfloat16()
+    wout = torch.empty(512, dtype=torch.uint8, device="cuda")
+    wsc = torch.empty(1, device="cuda")
+    wdq = ext.weight_delta_quantize
+    assert wdq(master, rep, 4, 1024, 0, 0, 0, 1, wout, wsc) == ""
+    _rejects(wdq(master.half(), rep, 4, 1024, 0, 0, 0, 1, wout, wsc), "master must be")
+    _rejects(wdq(master, rep[:999], 4, 1024, 0, 0, 0, 1, wout, wsc), "elements but replica")
+    _rejects(wdq(master, rep, 4, 1024, 0, 0, 0, 2, wout, wsc), "mode")
+    _rejects(wdq(master, torch.randn(2000, device="cuda").bfloat16()[::2], 4, 1024, 0, 0, 0, 1, wout, wsc),
+             "contiguous")
+    da = ext.dequant_add_
+    assert da(rep, wout, wsc, 4, 1024, 1) == ""
+    _rejects(da(torch.randn(2000, device="cuda"), wout, wsc, 4, 1024, 1), "payload holds")
+    _rejects(da(rep, wout, torch.empty(2, device="cuda"), 4, 1024, 1), "scales has")
+    _rejects(da(rep.double(), wout, wsc, 4, 1024, 1), "replica must be")
+    torch.cuda.synchronize()
+
+    # the Python wrappers raise what the binding returns, and what the reference rejects, with its wording
+    with pytest.raises(ValueError, match="hadamard_size"):
+        cb.hadamard_quantize(x, 4, 128, 24)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        cb.dequant_add_(rep.cpu(), wout, wsc, 4, 1024)
+    with pytest.raises(ValueError, match="needs a key"):
+        cb.hadamard_quantize(x, 4, 128, 32, "stochastic")
+    with pytest.raises(ValueError, match="rounding must be"):
+        cb.hadamard_quantize(x, 4, 128, 32, "up")
+    with pytest.raises(ValueError, match="mode must be"):
+        cb.dequant_add_(rep, wout, wsc, 4, 1024, mode="sum")
+    with pytest.raises(ValueError, match="contiguous"):
+        cb.dequant_add_(torch.randn(2000, device="cuda")[::2], wout, wsc, 4, 1024)
+    with pytest.raises(ValueError, match="buffer has"):
+        cb.hadamard_quantize(x, 4, 128, 32, out=torch.empty(100, dtype=torch.uint8, device="cuda"))
