@@ -102,6 +102,11 @@ def install() -> bool:
     if not getattr(deepspeed.initialize, "_sdp4bit_wrapped", False):
         _ORIG["initialize"] = deepspeed.initialize
         deepspeed.initialize = _make_initialize(deepspeed.initialize)
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    if not getattr(Init.__init__, "_sdp4bit_wrapped", False):
+        _ORIG["Init.__init__"] = Init.__init__
+        Init.__init__ = _make_zero_init(Init.__init__)
 
     patches = {
         "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads": _avg_scatter_grads,
@@ -264,6 +269,42 @@ def _make_initialize(orig_initialize):
 
     initialize._sdp4bit_wrapped = True
     return initialize
+
+
+def _make_zero_init(orig_init):
+    """``deepspeed.zero.Init`` partitions parameters as its config says; with an sdp4bit block, give it the
+    config ``deepspeed.initialize`` will see (hpZ = gpus_per_node for node replicas, persistence for full ones),
+    so a model built under ``zero.Init(config_dict_or_path=ds_config)`` matches the engine without the user
+    preparing the config by hand."""
+    sig = inspect.signature(orig_init)
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        bound = sig.bind(self, *args, **kwargs)
+        a = bound.arguments
+        key = "config_dict_or_path" if a.get("config_dict_or_path") is not None else "config"
+        config = a.get(key)
+        if config is not None and a.get("enabled", True):
+            ds_config = _load_config(config)
+            if parse_ds_config(ds_config).active:
+                import deepspeed.comm as ds_dist
+                import torch.distributed as tdist
+
+                ds_dist.init_distributed()
+                new_config, _ = prepare_ds_config(ds_config, tdist.get_world_size())
+                a[key] = new_config
+                _prepare_hpz_group(new_config)
+                # zero.Init creates DeepSpeed's hpZ group unconditionally and asserts when an earlier engine
+                # of this process already made it: hand it the cached group (of the right size) instead.
+                from deepspeed.utils import groups
+
+                cached = groups._get_zero_param_intra_parallel_group()
+                if cached is not None and a.get("zero_param_parallel_group") is None:
+                    a["zero_param_parallel_group"] = cached
+        return orig_init(*bound.args, **bound.kwargs)
+
+    __init__._sdp4bit_wrapped = True
+    return __init__
 
 
 def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:

@@ -133,12 +133,20 @@ def base_config(dtype: str = "bf16", world_size: int = 4, micro_batch: int = 2, 
     return cfg
 
 
-def make_engine(config: Dict[str, Any], seed: int = 0, d: int = 32):
-    """``deepspeed.initialize`` on the tiny model; returns the engine."""
+def make_engine(config: Dict[str, Any], seed: int = 0, d: int = 32, zero_init: bool = False):
+    """``deepspeed.initialize`` on the tiny model; returns the engine.
+
+    ``zero_init``: build the model under ``deepspeed.zero.Init(config_dict_or_path=config)`` (partitioned at
+    construction), as a user of a large model would.
+    """
     prepare_deepspeed_env()
     import deepspeed
 
-    model = make_model(seed, d=d)
+    if zero_init:
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = make_model(seed, d=d)
+    else:
+        model = make_model(seed, d=d)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 

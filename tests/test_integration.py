@@ -127,6 +127,12 @@ def _worker(rank, world_size, ckpt_dir):
     res["full_summary"] = full.sdp4bit_summary()
     del full
 
+    # model built under deepspeed.zero.Init with the user's config (the hook hands zero.Init the hpZ setting)
+    zi = ds_utils.make_engine(cfg(sdp4bit=DEFAULT), zero_init=True)
+    res["zero_init"] = ds_utils.train_steps(zi, STEPS, rank)
+    res["zero_init_replicas"] = _replica_report(zi)
+    del zi
+
     # (f) gradient accumulation 2 + clipping, plain and SDP4Bit
     ga_plain = ds_utils.make_engine(cfg(grad_accum=2, clip=0.05))
     res["ga_plain"] = ds_utils.train_steps(ga_plain, 3, rank)
@@ -211,6 +217,19 @@ def test_default_sdp4bit_close_to_plain(runs):
     # (the weight partitions of this tiny model's ~2000-element sub-groups are padded to one 2048 group)
     assert s["weights"]["compression"] > 1.8
     assert s["bytes"] == s["gradients"]["bytes"] + s["weights"]["bytes"]
+
+
+def test_zero_init_model_trains_with_node_replicas(runs):
+    N = WORLD // GPN
+    for r in runs:
+        _close(r["zero_init"], runs[0]["plain"], 3e-2)
+        rep = r["zero_init_replicas"]
+        assert rep["level"] == "node"
+        for ds_id, d in rep["params"].items():
+            l, P = rep["local"], d["P"]
+            for j in range(N):
+                owner = runs[l * N + j]["zero_init_replicas"]["params"][ds_id]["primary"]
+                assert torch.equal(d["secondary"][j * P:(j + 1) * P], owner), (ds_id, l, j)
 
 
 def test_summary_printed_on_rank0_only(runs):

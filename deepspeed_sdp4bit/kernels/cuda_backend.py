@@ -6,10 +6,12 @@ The extension is JIT-built through DeepSpeed's op builder (``op_builder/sdp4bit.
 by the probe with its reason, so ``kernel_backend="auto"`` moves on to the next backend.
 
 The wrappers here have the reference signatures plus optional ``out=`` / ``out_scales=`` buffers (used in
-place, nothing allocated when given) and do argument normalization only; the C++ binding checks every
-tensor (device, dtype, contiguity, sizes) and the group/Hadamard constraints, and launches on the current
-CUDA stream without synchronizing.  The binding returns its error messages and the wrappers raise them
-(``ValueError``; ``RuntimeError`` for a failed launch).
+place, nothing allocated when given).  They run the checks shared with the Triton backend
+(:mod:`._common`: bit widths, group sizes, rounding/mode strings, ``out`` buffers, chunk shapes) and
+normalize arguments; the C++ binding checks every tensor again (device, dtype, contiguity, sizes) and the
+kernel's group/Hadamard constraints, and launches on the current CUDA stream without synchronizing.  The
+binding returns its error messages and the wrappers raise them (``ValueError``; ``RuntimeError`` for a
+failed launch).
 
 Kernel limits beyond the reference: group sizes must be multiples of 8 and Hadamard sizes powers of two in
 8..256 (the config allows group sizes that are multiples of 32 and Hadamard sizes 32..256).
@@ -23,6 +25,8 @@ import torch
 
 from .. import ops as _ops
 from .. import reference as R
+from ._common import (FLOAT_DTYPES, backend_from, buffer, check_bits, check_group_size, check_mode, check_rounding,
+                      chunks)
 
 __all__ = [
     "make_backend",
@@ -32,9 +36,6 @@ __all__ = [
     "weight_delta_quantize",
     "dequant_add_",
 ]
-
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _ext():
     from .. import _native
@@ -52,58 +53,18 @@ def _launch(op: str, *args) -> None:
         raise (RuntimeError if err.startswith("CUDA error") else ValueError)(f"sdp4bit cuda {op}: {err}")
 
 
-def _rounding(rounding: str, key: Optional[int]) -> Tuple[int, int]:
-    """(0 nearest / 1 stochastic, key as uint32)."""
-    if rounding == "nearest":
-        return 0, 0
-    if rounding == "stochastic":
-        if key is None:
-            raise ValueError("stochastic rounding needs a key (see reference.make_key)")
-        return 1, int(key) & 0xFFFFFFFF
-    raise ValueError(f"rounding must be one of {R.ROUNDING_MODES}, got {rounding!r}")
-
-
-def _mode(mode: str) -> int:
-    if mode == "diff":
-        return 1
-    if mode == "direct":
-        return 0
-    raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
-
-
-def _bits(bits: int, name: str = "bits") -> int:
-    if bits not in (4, 8):
-        raise ValueError(f"{name} must be 4 or 8, got {bits}")
-    return int(bits)
+def _key_u32(stoch: bool, key: Optional[int]) -> int:
+    """The binding's uint32 key argument: the key's low 32 bits for stochastic rounding, else 0."""
+    return int(key) & 0xFFFFFFFF if stoch else 0
 
 
 def _hadamard(h: Optional[int]) -> int:
     return int(h) if h else 0
 
 
-def _buffer(out: Optional[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device,
-            name: str) -> torch.Tensor:
-    """``out`` (checked: ``numel`` x ``dtype``, contiguous, on ``device``) or a new flat buffer."""
-    if out is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
-    if out.numel() != numel or out.dtype != dtype:
-        raise ValueError(f"{name} buffer has {out.numel()} x {out.dtype}, needs {numel} x {dtype}")
-    if out.device != device:
-        raise ValueError(f"{name} is on {out.device}, expected {device}")
-    if not out.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (it is written in place)")
-    return out
-
-
-def _chunks(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
-            ) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    """payloads as contiguous [k, bytes], scales flat contiguous; returns them and m (elements per chunk)."""
-    if payloads.dim() != 2:
-        raise ValueError(f"payloads must be 2-D [k, bytes], got shape {tuple(payloads.shape)}")
-    m = payloads.shape[1] * 8 // bits
-    return payloads.contiguous(), scales.reshape(-1).contiguous(), m
+def _dense(payloads: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Chunks checked by ``_common.chunks`` as the binding takes them: [k, bytes] contiguous, scales flat."""
+    return payloads.contiguous(), scales.reshape(-1).contiguous()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -122,8 +83,9 @@ def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size
         out: optional uint8 [n*bits/8]; out_scales: optional float32 [n/group_size].
     Returns: payload uint8 [n*bits/8], scales float32 [n/group_size] (``out``/``out_scales`` when given).
     """
-    _bits(bits)
-    stoch, k = _rounding(rounding, key)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    stoch = check_rounding(rounding, key)
     xf = x.reshape(-1)
     if not xf.is_contiguous():
         xf = xf.contiguous()
@@ -133,10 +95,10 @@ def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size
         rows, cols = (int(v) for v in swizzle)
         if rows < 1 or cols < 1:
             raise ValueError(f"swizzle must be (rows >= 1, cols >= 1), got {swizzle}")
-    payload = _buffer(out, n * bits // 8, torch.uint8, x.device, "out")
-    scales = _buffer(out_scales, n // group_size if group_size > 0 else 0, torch.float32, x.device, "out_scales")
-    _launch("hadamard_quantize", xf, bits, int(group_size), _hadamard(hadamard_size), stoch, k, int(offset), rows,
-            cols, payload, scales)
+    payload = buffer(out, n * bits // 8, torch.uint8, x.device, "out")
+    scales = buffer(out_scales, n // group_size, torch.float32, x.device, "out_scales")
+    _launch("hadamard_quantize", xf, bits, int(group_size), _hadamard(hadamard_size), int(stoch),
+            _key_u32(stoch, key), int(offset), rows, cols, payload, scales)
     return payload, scales
 
 
@@ -148,21 +110,24 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
     """Op 2 (``reference.dequant_sum_requant``): dequantize k chunks, fp32 sum in chunk order, requantize.
 
     Args:
-        payloads: uint8 [k, m*in_bits/8]; scales: float32 [k, m/group_size] (any shape of that many).
+        payloads: uint8 [k, m*in_bits/8]; scales: float32 [k, m/group_size].
         out_group_size: output group size (default ``group_size``); the sum is zero-padded to a multiple.
         out: optional uint8 [m_pad*out_bits/8]; out_scales: optional float32 [m_pad/out_group_size].
     Returns: payload uint8 [m_pad*out_bits/8], scales float32 [m_pad/out_group_size].
     """
-    _bits(in_bits, "in_bits")
-    _bits(out_bits, "out_bits")
-    stoch, k = _rounding(rounding, key)
-    ogs = int(out_group_size or group_size)
-    payloads, scales, m = _chunks(payloads, scales, in_bits, group_size)
-    m_pad = R.num_groups(m, ogs) * ogs if ogs > 0 else 0
-    payload = _buffer(out, m_pad * out_bits // 8, torch.uint8, payloads.device, "out")
-    oscales = _buffer(out_scales, m_pad // ogs if ogs > 0 else 0, torch.float32, payloads.device, "out_scales")
-    _launch("dequant_sum_requant", payloads, scales, in_bits, out_bits, int(group_size), stoch, k, int(offset), ogs,
-            payload, oscales)
+    check_bits(in_bits, "in_bits")
+    check_bits(out_bits, "out_bits")
+    check_group_size(group_size, in_bits)
+    ogs = out_group_size or group_size
+    check_group_size(ogs, out_bits, "out_group_size")
+    stoch = check_rounding(rounding, key)
+    payloads, scales, _, m = chunks(payloads, scales, in_bits, group_size)
+    payloads, scales = _dense(payloads, scales)
+    m_pad = R.num_groups(m, ogs) * ogs
+    payload = buffer(out, m_pad * out_bits // 8, torch.uint8, payloads.device, "out")
+    oscales = buffer(out_scales, m_pad // ogs, torch.float32, payloads.device, "out_scales")
+    _launch("dequant_sum_requant", payloads, scales, in_bits, out_bits, int(group_size), int(stoch),
+            _key_u32(stoch, key), int(offset), int(ogs), payload, oscales)
     return payload, oscales
 
 
@@ -179,10 +144,12 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
             replaces ``out_dtype``; its first m elements are written.
     Returns: ``out_dtype`` [m] (or ``out``).
     """
-    _bits(bits)
-    payloads, scales, m = _chunks(payloads, scales, bits, group_size)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    payloads, scales, _, m = chunks(payloads, scales, bits, group_size)
+    payloads, scales = _dense(payloads, scales)
     if out is None:
-        if out_dtype not in _FLOAT_DTYPES:
+        if out_dtype not in FLOAT_DTYPES:
             raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
         out = torch.empty(m, dtype=out_dtype, device=payloads.device)
     elif not isinstance(out, torch.Tensor):
@@ -205,9 +172,10 @@ def weight_delta_quantize(master: torch.Tensor, replica: torch.Tensor, bits: int
         out: optional uint8 [n_pad*bits/8]; out_scales: optional float32 [n_pad/group_size].
     Returns: payload uint8 [n_pad*bits/8], scales float32 [n_pad/group_size].
     """
-    _bits(bits)
-    stoch, k = _rounding(rounding, key)
-    diff = _mode(mode)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    stoch = check_rounding(rounding, key)
+    diff = check_mode(mode)
     if not replica.is_contiguous():
         raise ValueError("replica must be contiguous (it is updated in place)")
     if master.numel() != replica.numel():
@@ -217,12 +185,11 @@ def weight_delta_quantize(master: torch.Tensor, replica: torch.Tensor, bits: int
         mf = mf.float()
     mf = mf.contiguous()
     n = replica.numel()
-    n_pad = R.num_groups(n, group_size) * group_size if group_size > 0 else 0
-    payload = _buffer(out, n_pad * bits // 8, torch.uint8, replica.device, "out")
-    scales = _buffer(out_scales, n_pad // group_size if group_size > 0 else 0, torch.float32, replica.device,
-                     "out_scales")
-    _launch("weight_delta_quantize", mf, replica.view(-1), bits, int(group_size), stoch, k, int(offset), diff,
-            payload, scales)
+    n_pad = R.num_groups(n, group_size) * group_size
+    payload = buffer(out, n_pad * bits // 8, torch.uint8, replica.device, "out")
+    scales = buffer(out_scales, n_pad // group_size, torch.float32, replica.device, "out_scales")
+    _launch("weight_delta_quantize", mf, replica.view(-1), bits, int(group_size), int(stoch), _key_u32(stoch, key),
+            int(offset), int(diff), payload, scales)
     return payload, scales
 
 
@@ -234,12 +201,13 @@ def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Ten
         whole number of groups); scales float32 [n_pad/group_size].  ``mode='direct'``: ``cast(deq)``.
     Returns: ``replica``.
     """
-    _bits(bits)
-    diff = _mode(mode)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    diff = check_mode(mode)
     if not replica.is_contiguous():
         raise ValueError("replica must be contiguous (it is updated in place)")
     _launch("dequant_add_", replica.view(-1), payload.reshape(-1).contiguous(), scales.reshape(-1).contiguous(),
-            bits, int(group_size), diff)
+            bits, int(group_size), int(diff))
     return replica
 
 
@@ -264,14 +232,4 @@ def _probe(device: torch.device) -> Tuple[bool, str]:
 
 def make_backend() -> "_ops.Backend":
     """The ``cuda`` backend: the five ops above and a probe (CUDA device, CUDA torch, extension builds)."""
-    return _ops.Backend(
-        "cuda",
-        {
-            "hadamard_quantize": hadamard_quantize,
-            "dequant_sum_requant": dequant_sum_requant,
-            "dequant_sum_inverse_hadamard": dequant_sum_inverse_hadamard,
-            "weight_delta_quantize": weight_delta_quantize,
-            "dequant_add_": dequant_add_,
-        },
-        probe=_probe,
-    )
+    return backend_from("cuda", globals(), _probe)

@@ -44,6 +44,8 @@ import triton.language as tl
 
 from .. import ops as _ops
 from .. import reference as R
+from ._common import (FLOAT_DTYPES, backend_from, buffer, check_bits, check_float, check_group_size, check_mode,
+                      check_rounding, check_typed, chunks)
 
 __all__ = [
     "make_backend",
@@ -55,7 +57,6 @@ __all__ = [
     "dequant_add_",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # dtype "kind" codes the kernels specialize on: how to widen/narrow to/from fp32
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -385,20 +386,6 @@ def _launch(kernel, grid, *args, tile_elems: int, **const):
 # ----------------------------------------------------------------------------------------------------------
 # argument checks
 # ----------------------------------------------------------------------------------------------------------
-def _check_float(t: torch.Tensor, name: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
-
-
-def _check_typed(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
-
-
 def _check_device(device: torch.device, **tensors) -> None:
     if device.type == "cpu" and not _INTERPRETED:
         raise RuntimeError("the triton backend runs CPU tensors only under TRITON_INTERPRET=1 "
@@ -406,33 +393,6 @@ def _check_device(device: torch.device, **tensors) -> None:
     for name, t in tensors.items():
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
-
-
-def _check_bits(bits: int, name: str = "bits") -> int:
-    if bits not in (4, 8):
-        raise ValueError(f"{name} must be 4 or 8, got {bits}")
-    return R.qmax_for_bits(bits)
-
-
-def _check_group_size(group_size: int, bits: int, name: str = "group_size") -> None:
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"{name} must be a positive int, got {group_size!r}")
-    if bits == 4 and group_size % 2:
-        raise ValueError(f"4-bit groups must have an even size, got {name}={group_size}")
-
-
-def _check_rounding(rounding: str, key: Optional[int]) -> bool:
-    if rounding not in R.ROUNDING_MODES:
-        raise ValueError(f"rounding must be one of {R.ROUNDING_MODES}, got {rounding!r}")
-    if rounding == "stochastic" and key is None:
-        raise ValueError("stochastic rounding needs a key (see make_key)")
-    return rounding == "stochastic"
-
-
-def _check_mode(mode: str) -> bool:
-    if mode not in ("diff", "direct"):
-        raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
-    return mode == "diff"
 
 
 def _log_hadamard(hadamard_size: Optional[int]) -> int:
@@ -453,22 +413,6 @@ def _need_hi(offset: int, count: int) -> bool:
     return offset < 0 or offset + count > (1 << 32)
 
 
-def _buffer(out: Optional[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device,
-            name: str) -> torch.Tensor:
-    """``out`` checked to hold exactly ``numel`` x ``dtype`` contiguous on ``device``, or a new buffer."""
-    if out is None:
-        return torch.empty(numel, dtype=dtype, device=device)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
-    if out.numel() != numel or out.dtype != dtype:
-        raise ValueError(f"{name} buffer has {out.numel()} x {out.dtype}, needs {numel} x {dtype}")
-    if out.device != device:
-        raise ValueError(f"{name} is on {out.device}, expected {device}")
-    if not out.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    return out
-
-
 def _code_view(payload: torch.Tensor, bits: int) -> torch.Tensor:
     """Flat payload as the kernels address it: int8 codes for bits=8, packed uint8 for bits=4."""
     flat = payload.view(-1)
@@ -479,29 +423,6 @@ def _float_view(t: torch.Tensor) -> torch.Tensor:
     """Flat float tensor as the kernels address it (bf16 through an int16 view, see ``_load_f32``)."""
     flat = t.view(-1)
     return flat.view(torch.int16) if t.dtype == torch.bfloat16 else flat
-
-
-def _chunks(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
-            ) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
-    """Validate [k, bytes] payloads and [k, groups] scales; return row-contiguous views, k and m."""
-    _check_typed(payloads, "payloads", torch.uint8)
-    _check_typed(scales, "scales", torch.float32)
-    if payloads.dim() != 2:
-        raise ValueError(f"payloads must be 2-D [k, bytes], got shape {tuple(payloads.shape)}")
-    k = payloads.shape[0]
-    if k < 1:
-        raise ValueError("payloads must hold at least one chunk (k >= 1)")
-    m = payloads.shape[1] * 8 // bits
-    if m % group_size:
-        raise ValueError(f"payloads hold {m} codes per chunk, not a multiple of group_size {group_size}")
-    if tuple(scales.shape) != (k, m // group_size):
-        raise ValueError(f"scales must have shape {(k, m // group_size)} for payloads of shape "
-                         f"{tuple(payloads.shape)}, got {tuple(scales.shape)}")
-    if payloads.stride(1) != 1:
-        payloads = payloads.contiguous()
-    if scales.stride(1) != 1:
-        scales = scales.contiguous()
-    return payloads, scales, k, m
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -520,10 +441,10 @@ def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size
     Returns:
         payload uint8 [n*bits/8], scales float32 [n/group_size] (``out``/``out_scales`` when given).
     """
-    _check_float(x, "x")
-    qmax = _check_bits(bits)
-    _check_group_size(group_size, bits)
-    stoch = _check_rounding(rounding, key)
+    check_float(x, "x")
+    qmax = check_bits(bits)
+    check_group_size(group_size, bits)
+    stoch = check_rounding(rounding, key)
     log_h = _log_hadamard(hadamard_size)
     if log_h and group_size % hadamard_size:
         raise ValueError(f"group_size {group_size} must be a multiple of hadamard_size {hadamard_size}")
@@ -539,8 +460,8 @@ def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size
     device = x.device
     _check_device(device, out=out, out_scales=out_scales)
     ngroups = n // group_size
-    payload = _buffer(out, n * bits // 8, torch.uint8, device, "out")
-    scales = _buffer(out_scales, ngroups, torch.float32, device, "out_scales")
+    payload = buffer(out, n * bits // 8, torch.uint8, device, "out")
+    scales = buffer(out_scales, ngroups, torch.float32, device, "out_scales")
     if ngroups == 0:
         return payload, scales
     xf = _float_view(x.reshape(-1).contiguous())
@@ -571,19 +492,19 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
         out: optional uint8 [m_pad*out_bits/8]; out_scales: optional float32 [m_pad/out_group_size].
     Returns: payload uint8 [m_pad*out_bits/8], scales float32 [m_pad/out_group_size].
     """
-    _check_bits(in_bits, "in_bits")
-    qmax = _check_bits(out_bits, "out_bits")
-    _check_group_size(group_size, in_bits)
+    check_bits(in_bits, "in_bits")
+    qmax = check_bits(out_bits, "out_bits")
+    check_group_size(group_size, in_bits)
     ogs = out_group_size or group_size
-    _check_group_size(ogs, out_bits, "out_group_size")
-    stoch = _check_rounding(rounding, key)
-    payloads, scales, k, m = _chunks(payloads, scales, in_bits, group_size)
+    check_group_size(ogs, out_bits, "out_group_size")
+    stoch = check_rounding(rounding, key)
+    payloads, scales, k, m = chunks(payloads, scales, in_bits, group_size)
     device = payloads.device
     _check_device(device, scales=scales, out=out, out_scales=out_scales)
     ngroups = R.num_groups(m, ogs)
     m_pad = ngroups * ogs
-    payload = _buffer(out, m_pad * out_bits // 8, torch.uint8, device, "out")
-    oscales = _buffer(out_scales, ngroups, torch.float32, device, "out_scales")
+    payload = buffer(out, m_pad * out_bits // 8, torch.uint8, device, "out")
+    oscales = buffer(out_scales, ngroups, torch.float32, device, "out_scales")
     if ngroups == 0:
         return payload, oscales
     block_g, gpp = _groups_per_program(ogs, ngroups)
@@ -609,16 +530,16 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
             then replaces ``out_dtype`` and its first m elements are written (like the torch backend).
     Returns: ``out_dtype`` [m] (or ``out``).
     """
-    _check_bits(bits)
-    _check_group_size(group_size, bits)
+    check_bits(bits)
+    check_group_size(group_size, bits)
     log_h = _log_hadamard(hadamard_size)
-    payloads, scales, k, m = _chunks(payloads, scales, bits, group_size)
+    payloads, scales, k, m = chunks(payloads, scales, bits, group_size)
     if log_h and m % hadamard_size:
         raise ValueError(f"numel {m} is not a multiple of the hadamard size {hadamard_size}")
     device = payloads.device
     _check_device(device, scales=scales, out=out)
     if out is not None:
-        _check_float(out, "out")
+        check_float(out, "out")
         if out.numel() < m:
             raise ValueError(f"out has {out.numel()} elements, needs {m}")
         if out.device != device:
@@ -627,7 +548,7 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
             raise ValueError("out must be contiguous")
         res = out
     else:
-        if out_dtype not in _FLOAT_DTYPES:
+        if out_dtype not in FLOAT_DTYPES:
             raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
         res = torch.empty(m, dtype=out_dtype, device=device)
     if m == 0:
@@ -655,12 +576,12 @@ def weight_delta_quantize(master: torch.Tensor, replica: torch.Tensor, bits: int
         out: optional uint8 [n_pad*bits/8]; out_scales: optional float32 [n_pad/group_size].
     Returns: payload uint8 [n_pad*bits/8], scales float32 [n_pad/group_size].
     """
-    _check_float(master, "master")
-    _check_float(replica, "replica")
-    qmax = _check_bits(bits)
-    _check_group_size(group_size, bits)
-    stoch = _check_rounding(rounding, key)
-    diff = _check_mode(mode)
+    check_float(master, "master")
+    check_float(replica, "replica")
+    qmax = check_bits(bits)
+    check_group_size(group_size, bits)
+    stoch = check_rounding(rounding, key)
+    diff = check_mode(mode)
     if master.numel() != replica.numel():
         raise ValueError(f"master has {master.numel()} elements but replica has {replica.numel()}")
     if not replica.is_contiguous():
@@ -669,8 +590,8 @@ def weight_delta_quantize(master: torch.Tensor, replica: torch.Tensor, bits: int
     _check_device(device, master=master, out=out, out_scales=out_scales)
     n = replica.numel()
     ngroups = R.num_groups(n, group_size)
-    payload = _buffer(out, ngroups * group_size * bits // 8, torch.uint8, device, "out")
-    scales = _buffer(out_scales, ngroups, torch.float32, device, "out_scales")
+    payload = buffer(out, ngroups * group_size * bits // 8, torch.uint8, device, "out")
+    scales = buffer(out_scales, ngroups, torch.float32, device, "out_scales")
     if ngroups == 0:
         return payload, scales
     block_g, gpp = _groups_per_program(group_size, ngroups)
@@ -691,12 +612,12 @@ def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Ten
         a whole number of groups); scales float32 [n_pad/group_size].  ``mode='direct'``: ``cast(deq)``.
     Returns: ``replica``.
     """
-    _check_float(replica, "replica")
-    _check_typed(payload, "payload", torch.uint8)
-    _check_typed(scales, "scales", torch.float32)
-    _check_bits(bits)
-    _check_group_size(group_size, bits)
-    diff = _check_mode(mode)
+    check_float(replica, "replica")
+    check_typed(payload, "payload", torch.uint8)
+    check_typed(scales, "scales", torch.float32)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    diff = check_mode(mode)
     ncodes = payload.numel() * 8 // bits
     n = replica.numel()
     if ncodes < n:
@@ -737,14 +658,4 @@ def _probe(device: torch.device) -> Tuple[bool, str]:
 
 def make_backend() -> "_ops.Backend":
     """The ``triton`` backend: the five ops above and a probe (CUDA; CPU only under TRITON_INTERPRET=1)."""
-    return _ops.Backend(
-        "triton",
-        {
-            "hadamard_quantize": hadamard_quantize,
-            "dequant_sum_requant": dequant_sum_requant,
-            "dequant_sum_inverse_hadamard": dequant_sum_inverse_hadamard,
-            "weight_delta_quantize": weight_delta_quantize,
-            "dequant_add_": dequant_add_,
-        },
-        probe=_probe,
-    )
+    return backend_from("triton", globals(), _probe)

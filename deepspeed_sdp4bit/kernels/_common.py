@@ -1,0 +1,140 @@
+"""Python-side argument checks and plumbing shared by the Triton and CUDA backends.
+
+Both kernel backends wrap their launches in the same validation: bit widths, group sizes, rounding and
+mode strings, caller-supplied ``out=`` buffers and the ``[k, bytes]`` chunk stacks of ops 2 and 3.  Keeping
+one copy here means the two backends reject the same inputs with the same wording, which the tests (and
+users switching ``kernel_backend``) rely on.
+
+Nothing here touches a device or imports Triton/the CUDA extension, so it is safe to import on any machine.
+Every check raises ``TypeError`` for a non-tensor where a tensor is needed and ``ValueError`` otherwise,
+with a message naming the offending argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+import torch
+
+from .. import ops as _ops
+from .. import reference as R
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float(t: torch.Tensor, name: str) -> None:
+    """``t`` must be a float32/float16/bfloat16 tensor (any shape)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def check_typed(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    """``t`` must be a tensor of exactly ``dtype`` (any shape)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+
+
+def check_bits(bits: int, name: str = "bits") -> int:
+    """``bits`` must be 4 or 8; returns the largest code magnitude (7 or 127)."""
+    if bits not in (4, 8):
+        raise ValueError(f"{name} must be 4 or 8, got {bits}")
+    return R.qmax_for_bits(bits)
+
+
+def check_group_size(group_size: int, bits: int, name: str = "group_size") -> None:
+    """``group_size`` must be a positive int, and even for 4-bit codes (two codes share a byte).
+
+    Backends may add their own limits on top (the CUDA kernels need multiples of 8; the binding says so).
+    """
+    if not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{name} must be a positive int, got {group_size!r}")
+    if bits == 4 and group_size % 2:
+        raise ValueError(f"4-bit groups must have an even size, got {name}={group_size}")
+
+
+def check_rounding(rounding: str, key: Optional[int]) -> bool:
+    """``rounding`` must be one of ``reference.ROUNDING_MODES``; stochastic needs a key.
+
+    Returns True for stochastic rounding.
+    """
+    if rounding not in R.ROUNDING_MODES:
+        raise ValueError(f"rounding must be one of {R.ROUNDING_MODES}, got {rounding!r}")
+    if rounding == "stochastic" and key is None:
+        raise ValueError("stochastic rounding needs a key (see reference.make_key)")
+    return rounding == "stochastic"
+
+
+def check_mode(mode: str) -> bool:
+    """``mode`` of the replica update must be 'diff' or 'direct'; returns True for 'diff'."""
+    if mode not in ("diff", "direct"):
+        raise ValueError(f"mode must be 'diff' or 'direct', got {mode!r}")
+    return mode == "diff"
+
+
+def buffer(out: Optional[torch.Tensor], numel: int, dtype: torch.dtype, device: torch.device,
+           name: str) -> torch.Tensor:
+    """A flat ``[numel]`` ``dtype`` buffer on ``device``: ``out`` after checking it, or a new one.
+
+    ``out`` may have any shape but must hold exactly ``numel`` elements of ``dtype``, live on ``device``
+    and be contiguous, because the kernels write it in place through its flat view.
+    """
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    if out.numel() != numel or out.dtype != dtype:
+        raise ValueError(f"{name} buffer has {out.numel()} x {out.dtype}, needs {numel} x {dtype}")
+    if out.device != device:
+        raise ValueError(f"{name} is on {out.device}, expected {device}")
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (it is written in place)")
+    return out
+
+
+def chunks(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int
+           ) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Validate the k received chunks of ops 2 and 3 and return ``(payloads, scales, k, m)``.
+
+    Args:
+        payloads: uint8 [k, m*bits/8], k >= 1 (one row per chunk); m a multiple of ``group_size``.
+        scales: float32 [k, m/group_size].
+        bits, group_size: already checked by the caller (``check_bits`` / ``check_group_size``).
+    Returns:
+        ``payloads`` [k, m*bits/8] and ``scales`` [k, m/group_size] with unit stride along the row (copied
+        only when needed; rows may still be strided), the chunk count k and the elements per chunk m.
+    """
+    check_typed(payloads, "payloads", torch.uint8)
+    check_typed(scales, "scales", torch.float32)
+    if payloads.dim() != 2:
+        raise ValueError(f"payloads must be 2-D [k, bytes], got shape {tuple(payloads.shape)}")
+    k = payloads.shape[0]
+    if k < 1:
+        raise ValueError("payloads must hold at least one chunk (k >= 1)")
+    m = payloads.shape[1] * 8 // bits
+    if m % group_size:
+        raise ValueError(f"payloads hold {m} codes per chunk, not a multiple of group_size {group_size}")
+    if tuple(scales.shape) != (k, m // group_size):
+        raise ValueError(f"scales must have shape {(k, m // group_size)} for payloads of shape "
+                         f"{tuple(payloads.shape)}, got {tuple(scales.shape)}")
+    if payloads.stride(1) != 1:
+        payloads = payloads.contiguous()
+    if scales.stride(1) != 1:
+        scales = scales.contiguous()
+    return payloads, scales, k, m
+
+
+def backend_from(name: str, source: Any, probe: Callable[[torch.device], Tuple[bool, str]]) -> "_ops.Backend":
+    """``ops.Backend(name, ...)`` with the ops named in ``ops.OP_NAMES`` taken from ``source``.
+
+    ``source`` is a module (its attributes) or a mapping such as ``globals()``; an op it lacks makes
+    ``ops.Backend`` raise ``ValueError`` naming the missing ops.  ``probe(device) -> (ok, reason)``.
+    """
+    if isinstance(source, Mapping):
+        found = {op: source[op] for op in _ops.OP_NAMES if op in source}
+    else:
+        found = {op: getattr(source, op) for op in _ops.OP_NAMES if hasattr(source, op)}
+    return _ops.Backend(name, found, probe=probe)
