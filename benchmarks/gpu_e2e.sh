@@ -28,6 +28,8 @@ fi
 # NVLink multicast must stay off on these machines; DeepSpeed 0.19.8's op_builder cannot parse "9.0a".
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1
+# our own extension builds for sm_90a (and shares its cache with benchmarks/gpu_kernel_check.sh)
+export SDP4BIT_CUDA_ARCH_LIST=${SDP4BIT_CUDA_ARCH_LIST:-9.0a} TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 
 phase=${1:-parity}
