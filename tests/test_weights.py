@@ -263,7 +263,28 @@ def _worker(rank, world, shapes):
             long = _run_instances(rank, world, topo, SMALL_PARAMS, LONG_INSTANCES, long_steps, (long_steps,),
                                   counter, False)
         results[shape] = {"main": main, "long": long, "wire": main_wire, "time": time.time() - t0}
+    results["autograd"] = _autograd_check(rank, world, topo)
     return results
+
+
+def _autograd_check(rank, world, topo):
+    """DeepSpeed's fp32 master partitions are Parameters (requires_grad=True).  A refresh that recorded an
+    autograd graph would chain it onto the persistent replica buffers and leak memory every step."""
+    from deepspeed_sdp4bit.collectives.weights import WeightDeltaAllGather
+
+    wsync = WeightDeltaAllGather(topo, WeightsConfig(replica="full"), seed=0, backend="torch", level="full")
+    M = 4096
+    master = torch.nn.Parameter(torch.randn(M, generator=torch.Generator().manual_seed(rank)))
+    own = master.detach().to(torch.bfloat16)
+    full = torch.zeros(world * M, dtype=torch.bfloat16)
+    dst = {s: [(full[s * M:(s + 1) * M], 0)] for s in wsync.sources_needed() if s != rank}
+    for step in range(2):
+        with torch.no_grad():
+            master.add_(1e-3)
+        wsync.refresh(master, own, dst, step=step)
+    wsync.full_sync(own, dst, master_flat=master)
+    return {"own": own.requires_grad or own.grad_fn is not None,
+            "full": full.requires_grad or full.grad_fn is not None}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -509,3 +530,9 @@ def test_bad_arguments():
         ag.refresh(master, own, {**ok, 2: [torch.zeros(4, 4, dtype=torch.bfloat16)]}, step=1)
     with pytest.raises(TypeError, match="dst"):
         ag.refresh(master, own, [torch.zeros(M)], step=1)
+
+
+def test_refresh_records_no_autograd_graph():
+    _results(TOPOLOGIES[0])
+    for rank, res in enumerate(_CACHE["all"]):
+        assert res["autograd"] == {"own": False, "full": False}, rank

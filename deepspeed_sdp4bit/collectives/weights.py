@@ -317,6 +317,7 @@ class WeightDeltaAllGather:
     # ------------------------------------------------------------------------------------------------------
     # the step
     # ------------------------------------------------------------------------------------------------------
+    @torch.no_grad()  # the fp32 master is an optimizer Parameter: never record a graph
     def refresh(self, master_flat: torch.Tensor, own_flat: torch.Tensor, dst: DstMap, step: int,
                 bucket_id: int = 0) -> None:
         """One qWD round: quantize this rank's delta, update ``own_flat``, apply every needed payload.
@@ -433,6 +434,7 @@ class WeightDeltaAllGather:
     # ------------------------------------------------------------------------------------------------------
     # exact resynchronisation
     # ------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def full_sync(self, own_flat: torch.Tensor, dst: DstMap, master_flat: Optional[torch.Tensor] = None,
                   bucket_id: int = 0) -> None:
         """Exact (unquantized) broadcast of every ``own_flat`` to the same destinations as :meth:`refresh`.
