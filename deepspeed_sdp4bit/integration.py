@@ -90,13 +90,12 @@ def install() -> bool:
     if _INSTALLED:
         return True
     try:
-        import deepspeed  # noqa: F401
+        import deepspeed
     except ImportError as e:  # pragma: no cover - DeepSpeed is a dependency in this project's environment
         warnings.warn(f"deepspeed_sdp4bit: DeepSpeed is not importable ({e}); the deepspeed.initialize hook "
                       f"is not installed")
         return False
     check_deepspeed_version()
-    import deepspeed
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as S3
 
     if not getattr(deepspeed.initialize, "_sdp4bit_wrapped", False):

@@ -213,9 +213,8 @@ def _run_instances(rank, world, topo, params, specs, steps, snap_steps, counter,
     for name, h in holders.items():
         out[name]["stats"] = h.ag.stats.as_dict()
         out[name]["bpv_inter"] = h.ag.stats.bits_per_value("inter")
-        out[name]["buf_bytes"] = {k: (0 if t is None else t.numel())
-                                  for k, t in (("send", h.ag._send), ("inter", h.ag._inter),
-                                               ("intra", h.ag._intra))}
+        sizes = h.ag._pool.sizes()
+        out[name]["buf_bytes"] = {k: sizes.get(k, 0) for k in ("send", "inter", "intra")}
 
     # Simulated checkpoint load: the master changes arbitrarily, full_sync restores exact equality.
     load_gen = torch.Generator().manual_seed(555 + rank)

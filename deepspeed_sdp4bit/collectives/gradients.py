@@ -68,6 +68,7 @@ from .. import reference as R
 from ..config import GradientsConfig
 from ..topology import Topology, TopologyShape
 from .stats import CommStats
+from .buffers import BufferPool
 
 LEVEL_IDS = {"intra": 0, "inter": 1}   # the ``level`` word of the stochastic-rounding key
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -209,30 +210,7 @@ def segment_numel_for(numels: Sequence[int], world: int) -> int:
 # ----------------------------------------------------------------------------------------------------------
 # buffers
 # ----------------------------------------------------------------------------------------------------------
-class _BufferPool:
-    """Grow-only flat buffers keyed by (role, dtype, device); ``get`` returns a prefix view."""
-
-    def __init__(self):
-        self._bufs: Dict[Tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
-        self.allocations = 0
-
-    def get(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (role, dtype, torch.device(device))
-        buf = self._bufs.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._bufs[key] = buf
-            self.allocations += 1
-        return buf[:numel]
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._bufs.values())
-
-    def clear(self) -> None:
-        self._bufs.clear()
-
-
-def _msg_buffers(pool: _BufferPool, role: str, level: _Level, plan: ReducePlan, full_values: int, off: int,
+def _msg_buffers(pool: BufferPool, role: str, level: _Level, plan: ReducePlan, full_values: int, off: int,
                  n: int, device) -> Msg:
     """Slices [off, off+n) (in values) of the role's buffers sized for ``full_values`` values."""
     if not level.quantized:
@@ -262,7 +240,7 @@ def _raw_sum(values: torch.Tensor, peers: int) -> torch.Tensor:
     return acc
 
 
-def _stage_input(plan: ReducePlan, flat: torch.Tensor, pool: _BufferPool) -> torch.Tensor:
+def _stage_input(plan: ReducePlan, flat: torch.Tensor, pool: BufferPool) -> torch.Tensor:
     """The input in chunk-major padded layout: chunk c is the [W, L_c] block at offset W * start_c.
 
     Without padding and with one chunk this is ``flat`` itself (no copy).
@@ -385,7 +363,7 @@ class GradientReducer:
             raise ValueError(f"backend must be one of {ops.BACKEND_NAMES}, got {backend!r}")
         self.backend_name = backend
         self._backends: Dict[torch.device, ops.Backend] = {}
-        self._pool = _BufferPool()
+        self._pool = BufferPool()
         self.stats = CommStats()
 
     # -- helpers --
@@ -609,7 +587,7 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
             outs[0].copy_(inputs[0].float() * torch.tensor(post, dtype=torch.float32))
         return [o[:S] for o in outs]
     be = ops.get_backend(backend, device)
-    pools = [_BufferPool() for _ in range(W)]
+    pools = [BufferPool() for _ in range(W)]
     x_all = [_stage_input(plan, inputs[r], pools[r]) for r in range(W)]
     N = shape.num_nodes
     for c, (a, L) in enumerate(plan.chunks):

@@ -70,6 +70,7 @@ from ..config import WeightsConfig
 from ..ops import get_backend
 from ..topology import Topology
 from .stats import CommStats
+from .buffers import BufferPool
 
 LEVELS = ("node", "full")
 
@@ -87,13 +88,6 @@ def _copy_many(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
     else:
         for dst, src in zip(dsts, srcs):
             dst.copy_(src)
-
-
-def _grow(buf: Optional[torch.Tensor], nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 buffer of at least ``nbytes`` on ``device``, reusing ``buf`` when it is big enough."""
-    if buf is None or buf.numel() < nbytes or buf.device != device:
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    return buf
 
 
 class WeightDeltaAllGather:
@@ -143,11 +137,9 @@ class WeightDeltaAllGather:
         self._backend = None
         self.stats = CommStats()
         self.sync_stats = CommStats()
-        # Persistent buffers, grown to the largest bucket seen and shared by all buckets.
-        self._send: Optional[torch.Tensor] = None
-        self._inter: Optional[torch.Tensor] = None
-        self._intra: Optional[torch.Tensor] = None
-        self._scratch: Optional[torch.Tensor] = None
+        # Persistent buffers (send row, inter/intra receive rows, fp32 dequant scratch), grown to the
+        # largest bucket seen and shared by all buckets.
+        self._pool = BufferPool()
         self._checked = set()
         self._plan = self._make_plan()
 
@@ -169,7 +161,7 @@ class WeightDeltaAllGather:
         """Row layouts and split counts of both transport levels (pure topology arithmetic)."""
         sh, r = self.shape, self.rank
         N, g = sh.num_nodes, sh.gpus_per_node
-        n, l = sh.node_of(r), sh.local_of(r)
+        l = sh.local_of(r)
         inter_sources = [sh.rank_of(n2, l) for n2 in range(N)]  # row n2 of the inter all-gather result
         plan = {"inter_sources": inter_sources}
         if self.level == "full":
@@ -279,20 +271,19 @@ class WeightDeltaAllGather:
     # ------------------------------------------------------------------------------------------------------
     # transport
     # ------------------------------------------------------------------------------------------------------
-    def _exchange(self, send: torch.Tensor, B: int, bufs: dict, stats: CommStats, values: int,
+    def _exchange(self, send: torch.Tensor, B: int, pool: BufferPool, stats: CommStats, values: int,
                   baseline_row_bytes: int) -> Tuple[torch.Tensor, List[int]]:
         """Move every source's ``B``-byte row to the ranks that keep it.
 
-        Args: send uint8 [B] (this rank's row); bufs: {"inter", "intra"} uint8 buffers, grown in place.
+        Args: send uint8 [B] (this rank's row); pool: where the "inter" / "intra" receive rows live.
         Returns: rows uint8 [R, B] and the source rank of each row.
         """
-        plan, sh = self._plan, self.shape
-        N, g = sh.num_nodes, sh.gpus_per_node
+        plan = self._plan
+        N = self.shape.num_nodes
         dev = send.device
         stats.begin_call()
         if N > 1:
-            bufs["inter"] = _grow(bufs.get("inter"), N * B, dev)
-            inter = bufs["inter"][: N * B]
+            inter = pool.get("inter", N * B, torch.uint8, dev)
             _all_gather_single(inter, send, group=self.topology.inter_group)
             stats.add("inter", (N - 1) * B, (N - 1) * values)
             stats.add_baseline((N - 1) * baseline_row_bytes)
@@ -302,8 +293,7 @@ class WeightDeltaAllGather:
         if not plan["intra_needed"]:
             return inter, plan["out_sources"]
         rows = len(plan["out_sources"])
-        bufs["intra"] = _grow(bufs.get("intra"), rows * B, dev)
-        out = bufs["intra"][: rows * B]
+        out = pool.get("intra", rows * B, torch.uint8, dev)
         if self.level == "full":
             _all_gather_single(out, inter.reshape(-1), group=self.topology.intra_group)
         else:
@@ -351,16 +341,13 @@ class WeightDeltaAllGather:
         pb = R.payload_bytes(Mpad, bits)
         B = pb + 4 * G
 
-        self._send = _grow(self._send, B, dev)
-        send = self._send[:B]
+        send = self._pool.get("send", B, torch.uint8, dev)
         key = R.make_key(self.seed, int(step), int(bucket_id), self.rank)
         backend.weight_delta_quantize(master_flat, own_flat, bits, gs, self.rounding,
                                       key if self.rounding == "stochastic" else None, 0, self.mode,
                                       out=send[:pb], out_scales=send[pb:].view(torch.float32))
 
-        bufs = {"inter": self._inter, "intra": self._intra}
-        rows, sources = self._exchange(send, B, bufs, self.stats, Mpad, M * own_flat.element_size())
-        self._inter, self._intra = bufs["inter"], bufs["intra"]
+        rows, sources = self._exchange(send, B, self._pool, self.stats, Mpad, M * own_flat.element_size())
 
         for row, s in zip(rows, sources):
             items = views.get(s)
@@ -401,15 +388,14 @@ class WeightDeltaAllGather:
         win = max(1, self.scratch_elements // gs) * gs
         lo = min(off for _, off in unaligned) // gs * gs
         hi = max(R.num_groups(off + v.numel(), gs) for v, off in unaligned) * gs
-        if self._scratch is None or self._scratch.numel() < min(win, hi - lo) or self._scratch.device != dev:
-            self._scratch = torch.empty(min(win, hi - lo), dtype=torch.float32, device=dev)
+        scratch = self._pool.get("scratch", min(win, hi - lo), torch.float32, dev)
         for w0 in range(lo, hi, win):
             w1 = min(w0 + win, hi)
             pieces = [(v, off, max(off, w0), min(off + v.numel(), w1)) for v, off in unaligned]
             pieces = [p for p in pieces if p[2] < p[3]]
             if not pieces:
                 continue
-            deq = self._scratch[: w1 - w0]
+            deq = scratch[: w1 - w0]
             codes = R.unpack_codes(payload[w0 * bits // 8: w1 * bits // 8], bits)
             # float(code) * scale, one rounded fp32 multiply: reference.dequantize_groups, into the scratch.
             torch.mul(codes.view(-1, gs).float(), scales[w0 // gs: w1 // gs].view(-1, 1), out=deq.view(-1, gs))
@@ -461,7 +447,8 @@ class WeightDeltaAllGather:
         self._check_consistent(M, int(bucket_id), dev)
         B = M * own_flat.element_size()
         send = own_flat.view(torch.uint8)
-        rows, sources = self._exchange(send, B, {}, self.sync_stats, M, B)
+        # a pool of its own, dropped on return: these rows are M * element_size bytes, not 4-bit
+        rows, sources = self._exchange(send, B, BufferPool(), self.sync_stats, M, B)
         for row, s in zip(rows, sources):
             items = views.get(s)
             if not items:
