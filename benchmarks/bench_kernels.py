@@ -276,19 +276,28 @@ def op_cases(size: int):
 
 
 def ds_cases(size: int, ds):
-    """DeepSpeed quantizer ops and our closest configuration at ``size`` input bytes (fp16 input)."""
-    G = 2048
-    n = size // 2 // (8 * G) * (8 * G)
+    """DeepSpeed quantizer ops and our closest configuration at ``size`` input bytes (fp16 input).
+
+    Two group sizes: 2048 (ZeRO++'s weight groups) and 128 (our gradient groups, where our kernels also run
+    their real configuration: Hadamard 32 and stochastic rounding, against DeepSpeed's plain nearest rounding).
+    """
+    return _ds_cases_g(size, ds, 2048, False) + _ds_cases_g(size, ds, 128, True)
+
+
+def _ds_cases_g(size: int, ds, G: int, gradient_config: bool):
+    n = size // 2 // (8 * 2048) * (8 * 2048)
     out = []
+    had, rnd, key = (32, "stochastic", 77) if gradient_config else (None, "nearest", None)
+    extra = " (ours: + Hadamard 32, stochastic)" if gradient_config else ""
     sym = ds.Symmetric
     out.append(dict(
-        op="ds.swizzle_quant vs ours", config=f"fp16 4-bit g{G} swizzle nodes=2 x gpus=4",
+        op="ds.swizzle_quant vs ours", config=f"fp16 4-bit g{G} swizzle nodes=2 x gpus=4{extra}",
         in_bytes=2 * n, out_bytes=n // 2 + 4 * n // G,
         make=lambda n=n: {"x": torch.randn(n, device="cuda", dtype=torch.float16),
                           "out": torch.empty(n // 2, dtype=torch.uint8, device="cuda"),
                           "os": torch.empty(n // G, device="cuda")},
         ds=lambda d: ds.swizzle_quant(d["x"], n // G, 4, sym, 1, 2, 4),
-        ours=lambda b, d: b.hadamard_quantize(d["x"], 4, G, None, "nearest", None, 0, (2, 4), out=d["out"],
+        ours=lambda b, d: b.hadamard_quantize(d["x"], 4, G, had, rnd, key, 0, (2, 4), out=d["out"],
                                               out_scales=d["os"])))
     out.append(dict(
         op="ds.quantize vs ours", config=f"fp16 4-bit g{G} (no Hadamard, no swizzle)",
@@ -300,16 +309,18 @@ def ds_cases(size: int, ds):
         ours=lambda b, d: b.hadamard_quantize(d["x"], 4, G, None, out=d["out"], out_scales=d["os"])))
     # reduction of 4 chunks of 4-bit data to one (qgZ's intra-node step): input bytes = size
     dev = 4
-    m = int(size // (0.5 + 4 / G) // (dev * 8 * G) * (dev * 8 * G))  # total elements over the 4 chunks
+    m = int(size // (0.5 + 4 / G) // (dev * 8 * 2048) * (dev * 8 * 2048))  # total elements over the 4 chunks
     out.append(dict(
-        op="ds.quantized_reduction vs ours", config=f"4 chunks 4-bit g{G} -> 4-bit g{G}",
+        op="ds.quantized_reduction vs ours", config=f"4 chunks 4-bit g{G} -> 4-bit g{G}"
+                                                    + (" (ours: stochastic)" if gradient_config else ""),
         in_bytes=m // 2 + 4 * m // G, out_bytes=m // dev // 2 + 4 * m // dev // G,
         make=lambda m=m: {"p": rand_payload(dev, m // dev // 2), "s": rand_scales(dev, m // dev // G),
                           "out": torch.empty(m // dev // 2, dtype=torch.uint8, device="cuda"),
                           "os": torch.empty(m // dev // G, device="cuda")},
         ds=lambda d: ds.quantized_reduction(d["p"].view(torch.int8).view(-1), d["s"].view(-1), m // G,
                                             m // G // dev, 4, sym, dev),
-        ours=lambda b, d: b.dequant_sum_requant(d["p"], d["s"], 4, 4, G, out=d["out"], out_scales=d["os"])))
+        ours=lambda b, d: b.dequant_sum_requant(d["p"], d["s"], 4, 4, G, rnd, key, out=d["out"],
+                                                out_scales=d["os"])))
     return out
 
 

@@ -7,7 +7,8 @@
 # cuda-gdb if it crashes), run the CUDA kernel tests (and the Triton ones unless SKIP_TRITON_TESTS=1), profile
 # one pass of each op with ncu, then the benchmark.  Each step has a time limit so that the whole fits one
 # 10-minute command.
-# Env: BENCH_SIZES_MB (default 8,32,128,512,2048), SKIP_TRITON_TESTS=1, SKIP_NCU=1, SKIP_BENCH=1.
+# Env: BENCH_SIZES_MB (default 8,32,128,512,2048), BENCH_NAME (JSON name, default kernels), SKIP_TRITON_TESTS=1,
+# SKIP_NCU=1, SKIP_BENCH=1.
 set -u
 OUT=${OUT:-/tmp/sdp4bit_out}
 mkdir -p "$OUT"
@@ -106,7 +107,7 @@ tail -5 /tmp/ds_build.txt >> "$OUT/build.txt"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
     left=$((575 - (SECONDS - start)))
     stamp "benchmark (limit ${left} s)"
-    timeout $left python3 benchmarks/bench_kernels.py --out "$OUT/kernels_h100.json" \
+    timeout $left python3 benchmarks/bench_kernels.py --out "$OUT/${BENCH_NAME:-kernels}.json" \
         --sizes-mb "${BENCH_SIZES_MB:-8,32,128,512,2048}" > "$OUT/bench.txt" 2>&1
     stamp "benchmark rc=$?"
     tail -62 "$OUT/bench.txt"

@@ -6,17 +6,23 @@
 // strides 1, 2, 4 are inside a lane and 8..128 are lane shuffles, in the reference's stage order, so every
 // intermediate is the same fp32 value as in torch.
 //
+// The wide kernels (ops 1-3 with power-of-two groups of 32..1024 elements, the gradient path) give a lane
+// kWide = 32 contiguous elements instead: a Hadamard block of 32 is then entirely in registers (no shuffles),
+// a group of 128 spans 4 lanes (2 shuffles per 32 elements for its maximum), and codes leave in 16-byte stores.
+//
 // Exactness (deepspeed_sdp4bit/reference.py is the definition):
 // * rounding-sensitive arithmetic uses explicitly rounded intrinsics (__fadd_rn, __fmul_rn, __fmaf_rn, ...),
 //   which nvcc never contracts or approximates, whatever the build flags;
-// * y = x / scale is IEEE-correctly rounded: per group r = RN(1/scale) (__frcp_rn), per element
-//   q = RN(x*r) followed by two FMA residual corrections (the sequence of CUDA's own div.rn fast path, and
-//   exact by Markstein's theorem); vectors holding elements so small that a residual could underflow, and
-//   groups whose scale is outside [2^-125, 2^125], take __fdiv_rn instead;
+// * y = x * RN(1/scale): one __frcp_rn per group (IEEE, the reference's 1 / scale) and one __fmul_rn per
+//   element; scale = absmax / qmax is IEEE-correctly rounded: RN(absmax * RN(1/qmax)) followed by two FMA
+//   residual corrections (exact by Markstein's theorem while absmax is well inside the normal range),
+//   __fdiv_rn otherwise;
+// * stochastic rounding: one counter hash per pair of elements, 16 bits each, turned into u1 in (1, 2) by a
+//   bitwise OR under the exponent of 1.0; floor(RN(y + u1)) - 1 is RD(RN(y + u1) + (1.5*2^23 - 1));
 // * integers and floats convert through the "magic" constant 1.5*2^23 (exact for |v| < 2^22) instead of
 //   I2F/F2I/FRND, which run at a quarter of the FP32 rate: floor(t) is the low mantissa bits of
 //   RD(t + 1.5*2^23), and a code c is the float 1.5*2^23 + c, whose low byte/nibble is c's two's complement;
-// * group maxima compare |x| as unsigned bit patterns: exact, and NaN (above +inf) propagates.
+// * group maxima compare |x| as unsigned bit patterns (or with max.NaN on sm_80+): exact, and NaN propagates.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,6 +36,8 @@ namespace sdp4bit {
 namespace dev {
 
 constexpr int kVec = 8;                          // elements per lane per step
+constexpr int kWide = 32;                        // elements per lane in the wide kernels
+constexpr int kWideStep = kWide * 32;            // elements per warp in the wide kernels
 constexpr int kWarp = 32;
 constexpr int kStep = kVec * kWarp;              // elements per warp step
 constexpr int kThreads = 256;                    // threads per block
@@ -86,33 +94,55 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x)
     return x;
 }
 
-// reference.uniform_from_counter for the 8 counters c0 .. c0+7: u in [0, 1), exact in fp32.
-__device__ __forceinline__ void uniforms8(uint32_t key, int64_t c0, float (&u)[8])
+// reference.stochastic_uniforms for the N counters c0 .. c0+N-1 (ODD: c0 is odd): u1 in (1, 2), exact.
+// Pair j of the run is pair index p0 + j; an even counter takes the low 16 bits of its pair's hash, an odd one
+// the high 16 bits.
+template <int N, bool ODD>
+__device__ __forceinline__ void uniforms1(uint32_t key, int64_t c0, float (&u)[N])
 {
-    const uint32_t lo0 = static_cast<uint32_t>(static_cast<uint64_t>(c0));
-    const uint32_t hi0 = static_cast<uint32_t>(static_cast<uint64_t>(c0 >> 32));  // arithmetic shift
-    if (hi0 == 0 && lo0 <= 0xfffffff7u) {  // the common case: counters below 2^32, no carry
+    constexpr int NP = N / 2 + (ODD ? 1 : 0);  // pairs touched
+    const int64_t p0 = c0 >> 1;                // arithmetic shift, like the reference
+    const uint32_t lo0 = static_cast<uint32_t>(static_cast<uint64_t>(p0));
+    const uint32_t hi0 = static_cast<uint32_t>(static_cast<uint64_t>(p0 >> 32));
+    uint32_t h[NP];
+    if (hi0 == 0 && lo0 <= 0xffffffffu - NP) {  // the common case: pair indices below 2^32, no carry
         // mix32's first step on (lo ^ key) is lo ^ (lo >> 16) ^ (key ^ (key >> 16)): one shift and one 3-way xor
         const uint32_t kk = key ^ (key >> 16);
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) {
-            const uint32_t lo = lo0 + t;
+        for (int j = 0; j < NP; ++j) {
+            const uint32_t lo = lo0 + j;
             uint32_t x = lo ^ (lo >> 16) ^ kk;
             x *= 0x7feb352du;
             x ^= x >> 15;
             x *= 0x846ca68bu;
-            const uint32_t h8 = (x >> 8) ^ (x >> 24);  // (x ^ (x >> 16)) >> 8
-            u[t] = __fmul_rn(__uint2float_rn(h8), 5.9604644775390625e-08f);  // * 2^-24
+            h[j] = x ^ (x >> 16);
         }
     } else {
 #pragma unroll
-        for (int t = 0; t < kVec; ++t) {
-            const uint32_t lo = lo0 + t;
-            const uint32_t hi = hi0 + (lo < lo0 ? 1u : 0u);  // the high word of c0 + t
-            uint32_t h = mix32(lo ^ key);
-            if (hi != 0) h = mix32(h ^ hi);
-            u[t] = __fmul_rn(__uint2float_rn(h >> 8), 5.9604644775390625e-08f);
+        for (int j = 0; j < NP; ++j) {
+            const uint32_t lo = lo0 + j;
+            const uint32_t hi = hi0 + (lo < lo0 ? 1u : 0u);  // the high word of p0 + j
+            uint32_t x = mix32(lo ^ key);
+            if (hi != 0) x = mix32(x ^ hi);
+            h[j] = x;
         }
+    }
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+        const int j = ODD ? (t + 1) >> 1 : t >> 1;
+        const bool high = ODD ? ((t & 1) == 0) : ((t & 1) == 1);
+        const uint32_t bits = high ? ((h[j] >> 9) & 0x7fff80u) : ((h[j] << 7) & 0x7fff80u);
+        u[t] = __uint_as_float(bits | 0x3F800040u);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void uniforms1_any(uint32_t key, int64_t c0, float (&u)[N])
+{
+    if (c0 & 1) {
+        uniforms1<N, true>(key, c0, u);
+    } else {
+        uniforms1<N, false>(key, c0, u);
     }
 }
 
@@ -120,17 +150,17 @@ __device__ __forceinline__ void uniforms8(uint32_t key, int64_t c0, float (&u)[8
 // Code c (|c| <= 127) -> kMagic + c.  `code_float` undoes it exactly.
 __device__ __forceinline__ float code_float(float magic_code) { return __fsub_rn(magic_code, kMagic); }
 
-// reference.round_codes for a valid group: y = x / scale is finite and |y| <= ~qmax.
+// reference.round_codes for a valid group: y = x * r is finite and |y| <= qmax.  STOCH: u1 in (1, 2).
 template <bool STOCH>
-__device__ __forceinline__ float round_to_magic(float y, float u, float qmax)
+__device__ __forceinline__ float round_to_magic(float y, float u1, float qmax)
 {
+    // |y| <= qmax (group_q fits the reciprocal), so the codes land in [-qmax, qmax] without a clamp
     if constexpr (STOCH) {
-        // floor(RN(y + u)), clamped to [-qmax, qmax]
-        const float m = __fadd_rd(__fadd_rn(y, u), kMagic);
-        return fminf(fmaxf(m, kMagic - qmax), kMagic + qmax);
+        // floor(RN(y + u1)) - 1
+        return __fadd_rd(__fadd_rn(y, u1), kMagic - 1.0f);
     } else {
-        // sign(y) * floor(RN(|y| + 0.5)), clamped
-        const float m = fminf(__fadd_rd(__fadd_rn(fabsf(y), 0.5f), kMagic), kMagic + qmax);
+        // sign(y) * floor(RN(|y| + 0.5))
+        const float m = __fadd_rd(__fadd_rn(fabsf(y), 0.5f), kMagic);
         return __fadd_rn(copysignf(__fsub_rn(m, kMagic), y), kMagic);
     }
 }
@@ -313,16 +343,15 @@ __device__ __forceinline__ void store_vals(T* __restrict__ p, int64_t i, int64_t
     }
 }
 
-// Block Hadamard butterfly of size h (power of two, 8..256) over a warp step: lane `lane` holds elements
-// 8*lane .. 8*lane+7.  Stages in the reference's order (stride 1, 2, ..., h/2); every lane of the warp must
-// call it (shuffles), lanes past the data holding zeros, which stay in their own blocks.  Sizes 2 and 4 are
-// refused by the binding: they would need the in-lane stages to be conditional, which costs every size.
-__device__ __forceinline__ void hadamard_step(float (&v)[8], int h, int lane)
+// The butterfly stages inside a lane: strides 1, 2, .., N/2 over the lane's N contiguous values (straight-line
+// code).
+template <int N>
+__device__ __forceinline__ void in_lane_stages(float (&v)[N])
 {
 #pragma unroll
-    for (int s = 1; s < kVec; s <<= 1) {
+    for (int s = 1; s < N; s <<= 1) {
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
+        for (int i = 0; i < N; ++i) {
             if ((i & s) == 0) {
                 const float a = v[i], b = v[i + s];
                 v[i] = __fadd_rn(a, b);
@@ -330,16 +359,32 @@ __device__ __forceinline__ void hadamard_step(float (&v)[8], int h, int lane)
             }
         }
     }
-    for (int m = 1; m < (h >> 3); m <<= 1) {  // stride 8*m: the partner lane differs in bit m
-        // the lower lane holds a and gets a + b, the upper holds b and gets a - b; p + (+-1)*v is one
-        // rounding of an exact product, so it is bit-identical to p + v and p - v
+}
+
+// The butterfly stages that pair lanes: for m = 1, 2, .. < `lanes`, lane `lane` combines its N values with
+// those of lane ^ m.  The lower lane holds a and gets a + b, the upper holds b and gets a - b; p + (+-1)*v is
+// one rounding of an exact product, so it is bit-identical to p + v and p - v.
+template <int N>
+__device__ __forceinline__ void lane_stages(float (&v)[N], int lanes, int lane)
+{
+    for (int m = 1; m < lanes; m <<= 1) {
         const float sgn = (lane & m) ? -1.0f : 1.0f;
 #pragma unroll
-        for (int i = 0; i < kVec; ++i) {
+        for (int i = 0; i < N; ++i) {
             const float p = __shfl_xor_sync(kFullMask, v[i], m);
             v[i] = __fmaf_rn(v[i], sgn, p);
         }
     }
+}
+
+// Block Hadamard butterfly of size h (power of two, 8..256) over a warp step: lane `lane` holds elements
+// 8*lane .. 8*lane+7.  Stages in the reference's order (stride 1, 2, ..., h/2); every lane of the warp must
+// call it (shuffles), lanes past the data holding zeros, which stay in their own blocks.  Sizes 2 and 4 are
+// refused by the binding: they would need the in-lane stages to be conditional, which costs every size.
+__device__ __forceinline__ void hadamard_step(float (&v)[8], int h, int lane)
+{
+    in_lane_stages(v);
+    lane_stages(v, h >> 3, lane);  // stride 8*m: the partner lane differs in bit m
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -371,10 +416,8 @@ __device__ __forceinline__ float div_fast(float a, float b, float r)
 
 struct GroupQ {
     float scale;
-    float r;    // RN(1 / scale) when fast
-    float thr;  // nonzero |x| below it take the exact division
-    bool valid;  // scale > 0 and finite: codes are computed (else they are 0)
-    bool fast;   // scale in [2^-125, 2^125]: the reciprocal path applies
+    float r;     // RN(1 / scale): y = RN(x * r)
+    bool valid;  // scale > 0 and finite and 1/scale finite: codes are computed (else they are 0)
 };
 
 __device__ __forceinline__ GroupQ group_q(uint32_t absmax_bits, float qmax, float rq)
@@ -384,12 +427,38 @@ __device__ __forceinline__ GroupQ group_q(uint32_t absmax_bits, float qmax, floa
     // scale = absmax / qmax, IEEE: the reciprocal path while absmax is a normal number well above 2^-126
     g.scale = (absmax >= 0x1p-90f && absmax <= 3.402823466e38f) ? div_fast(absmax, qmax, rq)
                                                                   : __fdiv_rn(absmax, qmax);
-    g.valid = g.scale > 0.0f && g.scale <= 3.402823466e38f;  // false for NaN and inf
-    g.fast = g.valid && g.scale >= 0x1p-125f && g.scale <= 0x1p125f;
-    g.r = g.fast ? __frcp_rn(g.scale) : 1.0f;
-    // |x| >= 2^-100 and |x / scale| >= 2^-100 keep every residual of the division normal (exact)
-    g.thr = fmaxf(0x1p-100f, __fmul_rn(g.scale, 0x1p-100f));
+    g.r = __frcp_rn(g.scale);  // IEEE: inf for 0 and for scales below 2^-127, NaN for NaN
+    g.valid = g.scale > 0.0f && g.scale <= 3.402823466e38f && g.r <= 3.402823466e38f;
+    // reference.fit_reciprocal: r lowered an ulp at a time (at most twice) until absmax * r <= qmax, so that
+    // |x * r| <= qmax for the whole group and rounding needs no clamp
+    if (g.valid) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (__fmul_rn(absmax, g.r) > qmax) g.r = __uint_as_float(__float_as_uint(g.r) - 1u);
+        }
+    }
     return g;
+}
+
+// Codes of N elements of one group (as magic floats), counters offset + o .. offset + o + N - 1.
+template <int N, bool STOCH>
+__device__ __forceinline__ void codes_of(const QuantOut& q, int64_t o, const float (&v)[N], const GroupQ& g,
+                                         float (&mk)[N])
+{
+    if (!g.valid) {
+#pragma unroll
+        for (int t = 0; t < N; ++t) mk[t] = kMagic;  // code 0
+        return;
+    }
+    float u[N];
+    if constexpr (STOCH) {
+        uniforms1_any<N>(q.key, q.offset + o, u);
+    } else {
+#pragma unroll
+        for (int t = 0; t < N; ++t) u[t] = 0.0f;
+    }
+#pragma unroll
+    for (int t = 0; t < N; ++t) mk[t] = round_to_magic<STOCH>(__fmul_rn(v[t], g.r), u[t], q.qmax);
 }
 
 template <int BITS, bool STOCH, class Src>
@@ -397,33 +466,7 @@ __device__ __forceinline__ void quantize_vector(const Src& src, const QuantOut& 
                                                 const GroupQ& g)
 {
     float mk[8];
-    if (!g.valid) {
-#pragma unroll
-        for (int t = 0; t < kVec; ++t) mk[t] = kMagic;  // code 0
-    } else {
-        bool exact = !g.fast;
-        if (g.fast) {
-#pragma unroll
-            for (int t = 0; t < kVec; ++t) exact |= (fabsf(v[t]) < g.thr) & (v[t] != 0.0f);
-        }
-        float y[8];
-        if (!exact) {
-#pragma unroll
-            for (int t = 0; t < kVec; ++t) y[t] = div_fast(v[t], g.scale, g.r);
-        } else {
-#pragma unroll
-            for (int t = 0; t < kVec; ++t) y[t] = __fdiv_rn(v[t], g.scale);
-        }
-        float u[8];
-        if constexpr (STOCH) {
-            uniforms8(q.key, q.offset + o, u);
-        } else {
-#pragma unroll
-            for (int t = 0; t < kVec; ++t) u[t] = 0.0f;
-        }
-#pragma unroll
-        for (int t = 0; t < kVec; ++t) mk[t] = round_to_magic<STOCH>(y[t], u[t], q.qmax);
-    }
+    codes_of<8, STOCH>(q, o, v, g, mk);
     store_codes<BITS>(q.payload, o, q.vec, mk);
     src.finish(o, mk, g.scale);
 }
@@ -554,6 +597,170 @@ __global__ void __launch_bounds__(kThreads) quant_groups_stream_kernel(Src src, 
 }
 
 // ------------------------------------------------------------------------------------------------------
+// wide lanes: 32 contiguous elements per lane (ops 1-3 on the gradient path)
+// ------------------------------------------------------------------------------------------------------
+
+// Staging through shared memory.  A lane owning 32 contiguous elements accesses global memory with a stride
+// of 32 elements between lanes: for loads the L1 absorbs it (a lane's 16-byte loads share 32-byte sectors), but
+// stores of 64..128 bytes per lane (the float outputs of op 3) write half sectors scattered over 8..32 lines
+// per instruction and ran at a third of the copy bandwidth.  Those go through a per-warp shared buffer and
+// leave in fully coalesced 16-byte stores (chunk c of the tile by lane c % 32).  Chunk indices are
+// XOR-swizzled within 128-byte rows so that both access patterns are free of bank conflicts.
+
+__device__ __forceinline__ int swz(int c) { return c ^ ((c >> 3) & 7); }
+
+// Coalesced store of a warp tile of 32*LB bytes: lane `lane` gives its LB bytes (chunks lane*LB/16 ..); chunk
+// c of the tile goes to addr(c) when valid(c).
+template <int LB, class Addr, class Valid>
+__device__ __forceinline__ void warp_store_staged(uint4* sm, int lane, Addr addr, Valid valid, const uint4 (&d)[LB / 16])
+{
+    constexpr int R = LB / 16;
+#pragma unroll
+    for (int i = 0; i < R; ++i) sm[swz(lane * R + i)] = d[i];
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int c = r * kWarp + lane;
+        if (valid(c)) *addr(c) = sm[swz(c)];
+    }
+    __syncwarp();
+}
+
+// 32 codes (a lane's payload words: 8 for bits=8, 4 for bits=4) as floats.
+template <int BITS>
+__device__ __forceinline__ void decode_codes32(const uint4 (&d)[BITS / 4], float (&c)[kWide])
+{
+    if constexpr (BITS == 8) {
+        const uint32_t w[8] = {d[0].x, d[0].y, d[0].z, d[0].w, d[1].x, d[1].y, d[1].z, d[1].w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint32_t x = w[i] ^ 0x80808080u;  // c + 128 per byte
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                c[4 * i + t] = __fsub_rn(__uint_as_float(__byte_perm(x, 0x4Bu, 0x4550u | t)), 8388736.0f);
+            }
+        }
+    } else {
+        const uint32_t w[4] = {d[0].x, d[0].y, d[0].z, d[0].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t x = w[i] ^ 0x88888888u;  // c + 8 per nibble
+            const uint32_t ev = x & 0x0f0f0f0fu;     // elements 8i, 8i+2, 8i+4, 8i+6 (low nibbles)
+            const uint32_t od = (x >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                c[8 * i + 2 * t] = __fsub_rn(__uint_as_float(__byte_perm(ev, 0x4Bu, 0x4550u | t)), 8388616.0f);
+                c[8 * i + 2 * t + 1] = __fsub_rn(__uint_as_float(__byte_perm(od, 0x4Bu, 0x4550u | t)), 8388616.0f);
+            }
+        }
+    }
+}
+
+// Store lane's 32 codes (magic floats) at element o (a multiple of 32; the payload is 16-byte aligned).
+// Direct 16-byte stores: 32 (bits=8) or 16 (bits=4) contiguous bytes per lane.
+template <int BITS>
+__device__ __forceinline__ void store_codes32(uint8_t* __restrict__ payload, int64_t o, const float (&mk)[kWide])
+{
+    uint32_t w[BITS];  // 8 words (bits=8) or 4 words (bits=4)
+#pragma unroll
+    for (int i = 0; i < BITS; ++i) {
+        if constexpr (BITS == 8) {
+            const uint32_t b0 = __float_as_uint(mk[4 * i]), b1 = __float_as_uint(mk[4 * i + 1]);
+            const uint32_t b2 = __float_as_uint(mk[4 * i + 2]), b3 = __float_as_uint(mk[4 * i + 3]);
+            w[i] = __byte_perm(__byte_perm(b0, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
+        } else {
+            uint32_t x = 0;
+#pragma unroll
+            for (int t = 0; t < 8; ++t) x |= (__float_as_uint(mk[8 * i + t]) & 0xfu) << (4 * t);
+            w[i] = x;
+        }
+    }
+    uint4* p = reinterpret_cast<uint4*>(payload + o * BITS / 8);
+#pragma unroll
+    for (int i = 0; i < BITS / 4; ++i) p[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+}
+
+// Lane's 32 codes at element o of a payload whose rows are 16-byte aligned, as words.
+template <int BITS>
+__device__ __forceinline__ void load_code_words(const uint8_t* __restrict__ payload, int64_t o, uint4 (&d)[BITS / 4])
+{
+    const uint4* p = reinterpret_cast<const uint4*>(payload + o * BITS / 8);
+#pragma unroll
+    for (int i = 0; i < BITS / 4; ++i) d[i] = __ldg(p + i);
+}
+
+// Lane's 32 floats as 16-byte words of type T (fp32: 8 words, bf16/fp16: 4 words), round to nearest even.
+template <typename T>
+__device__ __forceinline__ void floats_to_words(const float (&v)[kWide], uint4 (&d)[sizeof(T) * 2])
+{
+#pragma unroll
+    for (int j = 0; j < kWide / kVec; ++j) {
+        const float* f = v + j * kVec;
+        if constexpr (sizeof(T) == 4) {
+            d[2 * j] = make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                                  __float_as_uint(f[3]));
+            d[2 * j + 1] = make_uint4(__float_as_uint(f[4]), __float_as_uint(f[5]), __float_as_uint(f[6]),
+                                      __float_as_uint(f[7]));
+        } else {
+            const T* tag = nullptr;
+            d[j] = make_uint4(pack2(f[0], f[1], tag), pack2(f[2], f[3], tag), pack2(f[4], f[5], tag),
+                              pack2(f[6], f[7], tag));
+        }
+    }
+}
+
+// Block Hadamard of size h (power of two, 32..1024) where lane `lane` holds elements 32*lane .. 32*lane+31 of
+// a 1024-element warp chunk: strides 1..16 inside the lane (straight-line code: a conditional stage would make
+// the compiler copy registers at every merge), 32.. as lane shuffles (partner lane xor m), in the reference's
+// stage order.  Every lane of the warp must call it.  Blocks of 8 and 16 take the 8-element-per-lane kernels.
+__device__ __forceinline__ void hadamard_wide(float (&v)[kWide], int h, int lane)
+{
+    in_lane_stages(v);
+    lane_stages(v, h >> 5, lane);
+}
+
+// max(m, |x|) that returns NaN when either is NaN (m >= 0 or NaN).
+__device__ __forceinline__ float absmax_nan(float m, float x)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(x)));
+    return r;
+#else
+    return __uint_as_float(max(__float_as_uint(m), __float_as_uint(x) & 0x7fffffffu));
+#endif
+}
+
+// Ops 1 and 2 on the wide layout: one warp per 1024 elements, one lane per 32, groups of 32..1024 elements
+// (a power of two: group_shift 5..10) spanning 1..32 lanes.  Src provides load_wide(o, v): the 32 elements at
+// o (zeros at and past its end).  Only launched when every pointer is 16-byte aligned (checked on the host).
+template <class Src, int BITS, bool STOCH, bool HAD>
+__global__ void __launch_bounds__(kThreads) quant_wide_kernel(Src src, QuantOut q, int hadamard, int64_t num_warps)
+{
+    const int lane = threadIdx.x & (kWarp - 1);
+    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x / kWarp);
+    if (w >= num_warps) return;  // uniform per warp: shuffles below see full warps
+    const int64_t o = w * kWideStep + lane * kWide;
+    float v[kWide];
+    src.load_wide(o, v);
+    if constexpr (HAD) hadamard_wide(v, hadamard, lane);
+    float m = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kWide; ++t) m = absmax_nan(m, v[t]);
+    const int lanes_per_group = 1 << (q.group_shift - 5);
+#pragma unroll
+    for (int off = 1; off < kWarp; off <<= 1) {
+        if (off < lanes_per_group) m = absmax_nan(m, __shfl_xor_sync(kFullMask, m, off));
+    }
+    if (o >= q.n_pad) return;  // whole groups: the lanes of a group agree
+    const GroupQ g = group_q(__float_as_uint(m), q.qmax, q.rq);
+    float mk[kWide];
+    codes_of<kWide, STOCH>(q, o, v, g, mk);
+    store_codes32<BITS>(q.payload, o, mk);
+    if ((lane & (lanes_per_group - 1)) == 0) q.scales[o >> q.group_shift] = g.scale;
+}
+
+// ------------------------------------------------------------------------------------------------------
 // host side
 // ------------------------------------------------------------------------------------------------------
 inline bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
@@ -588,6 +795,20 @@ template <class Src, int BITS, bool STOCH>
 cudaError_t launch_quant_t(const Src& src, const QuantOut& q, int hadamard, bool vec, cudaStream_t stream)
 {
     const int64_t g = q.group;
+    if constexpr (Src::kHasWide) {
+        // 32 elements per lane: power-of-two groups of 32..1024, no Hadamard or blocks of at least 32, 16-byte
+        // aligned payload, Src's own conditions
+        if (src.wide_ok() && q.group_shift >= 5 && q.group_shift <= 10 && aligned(q.payload, 16) &&
+            (hadamard <= 1 || (hadamard >= kWide && hadamard <= g))) {
+            const int64_t nw = (q.n_pad + kWideStep - 1) / kWideStep;
+            if (hadamard > 1) {
+                quant_wide_kernel<Src, BITS, STOCH, true><<<blocks_for(nw), kThreads, 0, stream>>>(src, q, hadamard, nw);
+            } else {
+                quant_wide_kernel<Src, BITS, STOCH, false><<<blocks_for(nw), kThreads, 0, stream>>>(src, q, hadamard, nw);
+            }
+            return cudaGetLastError();
+        }
+    }
     if (vec && q.vec && g <= kStep && kStep % g == 0) {
         const int64_t nt = (q.n_pad + static_cast<int64_t>(kStep) * 4 - 1) / (kStep * 4);
         if (hadamard > 1) {

@@ -18,7 +18,7 @@ enum class FloatKind : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 struct QuantSpec {
     int bits;            // 4 or 8
     int64_t group_size;  // elements per scale, a positive multiple of 8
-    int stochastic;      // 0: round half away from zero, 1: floor(y + u) with the counter hash
+    int stochastic;      // 0: round half away from zero, 1: floor(y + u1) - 1 with the counter hash
     uint32_t key;        // stream key of stochastic rounding (reference.make_key)
     int64_t offset;      // counter of element 0 (stochastic rounding)
 };

@@ -42,6 +42,38 @@ struct SrcTensor {  // a float tensor, optionally read through the [rows, cols, 
         }
     }
 
+    // the wide kernel: 32 elements at output index o (a multiple of 32); wide_ok() guarantees seg % 32 == 0
+    // (a lane's run never straddles two segments) and a 16-byte aligned x
+    static constexpr bool kHasWide = true;
+    bool x_aligned;
+    bool wide_ok() const { return x_aligned && (rows == 0 || seg % kWide == 0); }
+
+    // n % 32 == 0 (n is a multiple of the group size), so a lane's run is either all inside or all past n
+    __device__ __forceinline__ void load_wide(int64_t o, float (&v)[kWide]) const
+    {
+        if (o >= n) {
+#pragma unroll
+            for (int t = 0; t < kWide; ++t) v[t] = 0.0f;
+            return;
+        }
+        const uint4* p = reinterpret_cast<const uint4*>(x + (rows == 0 ? o : src_index(o)));
+#pragma unroll
+        for (int j = 0; j < kWide / kVec; ++j) {
+            float w[kVec];
+            if constexpr (sizeof(T) == 4) {
+                const uint4 a = __ldg(p + 2 * j), b = __ldg(p + 2 * j + 1);
+                w[0] = __uint_as_float(a.x); w[1] = __uint_as_float(a.y);
+                w[2] = __uint_as_float(a.z); w[3] = __uint_as_float(a.w);
+                w[4] = __uint_as_float(b.x); w[5] = __uint_as_float(b.y);
+                w[6] = __uint_as_float(b.z); w[7] = __uint_as_float(b.w);
+            } else {
+                unpack_words(__ldg(p + j), w, x);
+            }
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) v[j * kVec + t] = w[t];
+        }
+    }
+
     __device__ __forceinline__ void finish(int64_t, const float (&)[8], float) const {}
 };
 
@@ -60,6 +92,7 @@ cudaError_t run(const T* x, int64_t n, int hadamard, int64_t rows, int64_t cols,
     src.seg_vec = rows == 0 || src.seg % kVec == 0;
     // the register tiles need vector loads; a swizzle with seg % 8 != 0 goes through the streaming kernel
     const bool vec = aligned(x, 16) && src.seg_vec;
+    src.x_aligned = aligned(x, 16);
     return launch_quant(src, q, n, payload, scales, hadamard, vec, stream);
 }
 

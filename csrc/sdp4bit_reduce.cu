@@ -45,6 +45,46 @@ struct SrcDequantSum {
         }
     }
 
+    // The wide kernels: 32 elements at o (a multiple of 32) share one scale per chunk, and every row's codes
+    // are 16-byte aligned.
+    static constexpr bool kHasWide = true;
+    bool rows_aligned;  // payloads 16-byte aligned
+    bool wide_ok() const
+    {
+        return rows_aligned && m % kWide == 0 && (row_bytes % 16) == 0 && div_group.d % kWide == 0;
+    }
+
+    // The lane's 32 sums at o (zeros at and past m).  (Batching the loads of several chunks raised the
+    // register count to ~120 and ran slower on an H200 than this plain loop, which the compiler unrolls by 2.)
+    __device__ __forceinline__ void load_wide(int64_t o, float (&v)[kWide]) const
+    {
+        if (o >= m) {
+#pragma unroll
+            for (int t = 0; t < kWide; ++t) v[t] = 0.0f;
+            return;
+        }
+        const int64_t g = div_group(o);
+        {
+            uint4 d[BITS / 4];
+            load_code_words<BITS>(payloads, o, d);
+            float c[kWide];
+            decode_codes32<BITS>(d, c);
+            const float s = __ldg(scales + g);
+#pragma unroll
+            for (int t = 0; t < kWide; ++t) v[t] = __fmul_rn(c[t], s);  // acc = d_0 (keeps -0.0)
+        }
+#pragma unroll 2
+        for (int j = 1; j < k; ++j) {
+            uint4 d[BITS / 4];
+            load_code_words<BITS>(payloads + j * row_bytes, o, d);
+            float c[kWide];
+            decode_codes32<BITS>(d, c);
+            const float s = __ldg(scales + j * scales_per_row + g);
+#pragma unroll
+            for (int t = 0; t < kWide; ++t) v[t] = __fadd_rn(v[t], __fmul_rn(c[t], s));
+        }
+    }
+
     __device__ __forceinline__ void finish(int64_t, const float (&)[8], float) const {}
 };
 
@@ -59,6 +99,7 @@ SrcDequantSum<BITS> make_sum(const uint8_t* payloads, const float* scales, int k
     s.m = m;
     s.div_group.init(group);
     s.k = k;
+    s.rows_aligned = aligned(payloads, 16);
     return s;
 }
 
@@ -92,6 +133,32 @@ __global__ void __launch_bounds__(kThreads) dequant_sum_ih_kernel(SrcDequantSum<
     }
 }
 
+// Op 3 on the wide layout (32 elements per lane, see quant_wide_kernel); only when src.wide_ok() and the
+// output is 16-byte aligned.
+template <int BITS, typename TO, bool HAD>
+__global__ void __launch_bounds__(kThreads) dequant_sum_ih_wide_kernel(SrcDequantSum<BITS> src, TO* __restrict__ out,
+                                                                      int hadamard, float factor, int64_t num_warps)
+{
+    __shared__ uint4 stage[kWarpsPerBlock][2 * sizeof(TO) * kWarp];  // a warp tile of TO
+    const int lane = threadIdx.x & (kWarp - 1);
+    const int wib = threadIdx.x / kWarp;
+    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + wib;
+    if (w >= num_warps) return;
+    const int64_t tile0 = w * kWideStep;
+    float v[kWide];
+    src.load_wide(tile0 + lane * kWide, v);
+    if constexpr (HAD) hadamard_wide(v, hadamard, lane);
+#pragma unroll
+    for (int t = 0; t < kWide; ++t) v[t] = __fmul_rn(v[t], factor);
+    uint4 d[sizeof(TO) * 2];
+    floats_to_words<TO>(v, d);
+    constexpr int kPer = 16 / sizeof(TO);
+    uint4* base = reinterpret_cast<uint4*>(out + tile0);
+    const int64_t valid_chunks = (src.m - tile0) / kPer;  // m % 32 == 0: whole chunks
+    warp_store_staged<kWide * sizeof(TO)>(
+        stage[wib], lane, [&](int c) { return base + c; }, [&](int c) { return c < valid_chunks; }, d);
+}
+
 template <int BITS>
 cudaError_t requant(const uint8_t* payloads, const float* in_scales, int k, int64_t m, int64_t in_group,
                     const QuantSpec& q, uint8_t* payload, float* scales, cudaStream_t stream)
@@ -109,6 +176,17 @@ cudaError_t inverse(const uint8_t* payloads, const float* in_scales, int k, int6
 {
     if (m == 0) return cudaSuccess;
     const auto src = make_sum<BITS>(payloads, in_scales, k, m, group);
+    if (src.wide_ok() && aligned(out, 16) && (hadamard <= 1 || hadamard >= kWide)) {  // blocks of 8, 16: below
+        const int64_t nw = (m + kWideStep - 1) / kWideStep;
+        if (hadamard > 1) {
+            dequant_sum_ih_wide_kernel<BITS, TO, true>
+                <<<blocks_for(nw), kThreads, 0, stream>>>(src, out, hadamard, factor, nw);
+        } else {
+            dequant_sum_ih_wide_kernel<BITS, TO, false>
+                <<<blocks_for(nw), kThreads, 0, stream>>>(src, out, hadamard, factor, nw);
+        }
+        return cudaGetLastError();
+    }
     const int64_t nt = (m + static_cast<int64_t>(kStep) * kSumSteps - 1) / (kStep * kSumSteps);
     const bool vin = aligned(payloads, BITS == 8 ? 8 : 4);
     const bool vout = aligned(out, 16);

@@ -8,6 +8,7 @@ using namespace dev;
 
 template <typename T>
 struct SrcWeightDelta {  // master - replica (diff) or master (direct); finish() updates the replica in place
+    static constexpr bool kHasWide = false;  // the weights' groups of 2048 take quant_block_kernel
     const float* master;
     T* replica;
     int64_t n;

@@ -10,13 +10,22 @@ Conventions shared by all ops
 * Tensors are flat (1-D).  A "group" is ``group_size`` contiguous elements with one fp32 scale.
 * Symmetric abs-max quantization to ``bits`` in {4, 8}: ``qmax = 2**(bits-1) - 1`` (7 or 127), levels
   ``-qmax..qmax``.  Per group: ``absmax = max|x|`` (NaN if any element is NaN, inf if any is inf),
-  ``scale = absmax / qmax`` (fp32, IEEE division), ``y = x / scale`` (fp32, IEEE division, element-wise).
+  ``scale = absmax / qmax`` (fp32, IEEE division), ``inv = 1 / scale`` (fp32, IEEE division, once per
+  group), lowered one ulp at a time (at most twice in practice) while ``absmax * inv > qmax`` (fp32
+  product), and ``y = x * inv`` (one rounded fp32 multiply per element).  A multiply by the group's
+  reciprocal instead of a division per element keeps the kernels' per-element work small, and the
+  adjustment guarantees ``|y| <= qmax`` so that rounding needs no clamp; every backend rounds these steps
+  the same way, so the codes stay bit-identical.
 * Rounding of ``y`` to a code:
     - ``nearest``: half away from zero, ``sign(y) * floor(|y| + 0.5)`` (the ``+ 0.5`` is exact for |y| < 2**22);
-    - ``stochastic``: ``floor(y + u)`` with ``u`` in [0, 1) from :func:`uniform_from_counter` of
-      ``(key, offset + i)``; unbiased: E[code] = y.
-  then clamped to ``[-qmax, qmax]``.  Where ``scale`` is 0 (all-zero group, or absmax so small that
-  absmax/qmax underflows) or ``y`` is not finite, the code is 0.
+    - ``stochastic``: ``floor(y + u1) - 1``, where ``y + u1`` is one rounded fp32 add and ``u1`` in (1, 2)
+      comes from :func:`stochastic_uniforms` of ``(key, offset + i)``: ``u1 = 1 + (k + 1/2) * 2**-16`` with
+      ``k`` a 16-bit random integer, so ``u1 - 1`` is uniform on 2**16 points centred in [0, 1) and
+      E[code] = y up to the 2**-17 resolution of ``u1``.  (Written as ``u1 - 1`` rather than ``u`` because a
+      kernel then gets ``u1`` from the hash with one bitwise OR, no int-to-float conversion.)
+  which lands in ``[-qmax, qmax]`` because ``|y| <= qmax`` and ``1 < u1 < 2``.  Where ``scale`` is 0 (all-zero group, or absmax so small that
+  absmax/qmax underflows), not finite, or so small that ``1 / scale`` overflows (scale < 2**-127), or where
+  ``y`` is not finite, the code is 0.
 * Dequantization is ``float(code) * scale`` (one rounded fp32 multiply, never fused with a following add).
   A non-finite scale therefore gives a non-finite value for every element of its group (0 * inf = NaN), so
   an inf/NaN gradient on any rank still shows up as non-finite after the collective (fp16 overflow check).
@@ -124,36 +133,44 @@ def make_key(seed: int, *words: int) -> int:
     return k
 
 
-def uniform_from_counter(key: int, offsets: torch.Tensor) -> torch.Tensor:
-    """fp32 uniforms in [0, 1) for element ``offsets`` (int64) of stream ``key``.
+def stochastic_uniforms(key: int, offsets: torch.Tensor) -> torch.Tensor:
+    """fp32 ``u1`` in (1, 2) for element counters ``offsets`` (int64) of stream ``key``.
 
-    ``h = mix32((offset mod 2**32) ^ key)``; for offsets >= 2**32 (never for buckets below 4 G elements)
-    additionally ``h = mix32(h ^ (offset >> 32))``; then ``u = (h >> 8) * 2**-24`` (exact in fp32).
+    One 32-bit hash serves two neighbouring counters (16 random bits each), which halves the kernels' hashing
+    work: the pair index ``p = offset >> 1`` (arithmetic shift) gives ``h = mix32((p mod 2**32) ^ key)``,
+    and for ``p >= 2**32`` or ``p < 0`` additionally ``h = mix32(h ^ ((p >> 32) mod 2**32))``.  An even
+    counter takes ``k = h & 0xFFFF``, an odd one ``k = h >> 16``; then ``u1`` is the float with bits
+    ``0x3F800040 | (k << 7)``, i.e. ``1 + k * 2**-16 + 2**-17`` (exact).
     """
     offsets = offsets.to(torch.int64)
-    h = mix32((offsets & _MASK32) ^ (key & _MASK32))
-    hi = offsets >> 32
+    p = offsets >> 1
+    h = mix32((p & _MASK32) ^ (key & _MASK32))
+    hi = p >> 32
     if bool((hi != 0).any()):
         h = torch.where(hi != 0, mix32(h ^ (hi & _MASK32)), h)
-    return (h >> 8).to(torch.float32) * (2.0 ** -24)
+    k = torch.where((offsets & 1) == 1, h >> 16, h & 0xFFFF)
+    return ((k << 7) | 0x3F800040).to(torch.int32).view(torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # group quantization
 # ----------------------------------------------------------------------------------------------------------
+def group_absmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """fp32 ``max |x|`` [num_groups] of flat ``x`` (zero-padded), NaN if the group has a NaN."""
+    xg = pad_flat(x.float(), group_size).view(-1, group_size)
+    absmax = xg.abs().amax(dim=1)
+    nan = torch.isnan(xg).any(dim=1)  # amax's NaN propagation is not guaranteed on every device
+    return torch.where(nan, torch.full_like(absmax, float("nan")), absmax)
+
+
 def group_scales(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """fp32 scales [num_groups] of flat ``x`` (zero-padded): ``absmax / qmax``, NaN/inf propagated."""
-    qmax = qmax_for_bits(bits)
-    xg = pad_flat(x.float(), group_size).view(-1, group_size)
-    absmax = xg.abs().amax(dim=1)  # amax propagates NaN
-    nan = torch.isnan(xg).any(dim=1)
-    absmax = torch.where(nan, torch.full_like(absmax, float("nan")), absmax)
-    return absmax / torch.tensor(float(qmax), dtype=torch.float32)
+    return group_absmax(x, group_size) / torch.tensor(float(qmax_for_bits(bits)), dtype=torch.float32)
 
 
 def round_codes(y: torch.Tensor, bits: int, rounding: str, key: Optional[int], offset: int,
                 valid: torch.Tensor) -> torch.Tensor:
-    """Codes (int8) from fp32 ``y = x / scale`` by the rounding rule in the module docstring.
+    """Codes (int8) from fp32 ``y = x * (1 / scale)`` by the rounding rule in the module docstring.
 
     ``valid`` marks elements whose scale is positive and finite; other codes are 0.
     """
@@ -164,13 +181,26 @@ def round_codes(y: torch.Tensor, bits: int, rounding: str, key: Optional[int], o
         if key is None:
             raise ValueError("stochastic rounding needs a key (see make_key)")
         offs = torch.arange(y.numel(), dtype=torch.int64) + int(offset)
-        u = uniform_from_counter(key, offs).view_as(y)
-        r = torch.floor(y + u)
+        u1 = stochastic_uniforms(key, offs).view_as(y)
+        r = torch.floor(y + u1) - 1.0
     else:
         raise ValueError(f"rounding must be one of {ROUNDING_MODES}, got {rounding!r}")
     ok = valid & torch.isfinite(r)
     r = torch.where(ok, r.clamp(-qmax, qmax), torch.zeros_like(r))
     return r.to(torch.int8)
+
+
+def fit_reciprocal(absmax: torch.Tensor, inv: torch.Tensor, bits: int) -> torch.Tensor:
+    """``inv`` lowered one ulp at a time while ``absmax * inv > qmax`` (fp32): then ``|x * inv| <= qmax`` for
+    every ``|x| <= absmax`` (rounding is monotonic).  ``inv`` = RN(1 / RN(absmax / qmax)) is within about an
+    ulp of qmax / absmax, so two steps always suffice (checked)."""
+    qmax = float(qmax_for_bits(bits))
+    for _ in range(2):
+        over = absmax * inv > qmax
+        inv = torch.where(over, torch.nextafter(inv, torch.zeros_like(inv)), inv)
+    if bool((absmax * inv > qmax).any()):
+        raise AssertionError("fit_reciprocal: two steps did not suffice")
+    return inv
 
 
 def quantize_groups(x: torch.Tensor, bits: int, group_size: int, rounding: str = "nearest",
@@ -188,11 +218,15 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int, rounding: str =
     """
     if bits == 4 and group_size % 2:
         raise ValueError(f"4-bit groups must have an even size, got {group_size}")
-    scales = group_scales(x, bits, group_size)
+    absmax = group_absmax(x, group_size)
+    scales = absmax / torch.tensor(float(qmax_for_bits(bits)), dtype=torch.float32)
     xg = pad_flat(x.float(), group_size).view(-1, group_size)
     s = scales.view(-1, 1)
-    valid = (s > 0) & torch.isfinite(s)
-    y = xg / torch.where(valid, s, torch.ones_like(s))
+    inv = torch.ones_like(s) / s  # IEEE fp32 division, inf for s == 0 or s < 2**-127
+    valid = (s > 0) & torch.isfinite(s) & torch.isfinite(inv)
+    inv = torch.where(valid, inv, torch.ones_like(inv))
+    inv = fit_reciprocal(torch.where(valid, absmax.view(-1, 1), torch.zeros_like(s)), inv, bits)
+    y = xg * inv
     codes = round_codes(y, bits, rounding, key, offset, valid.expand_as(y))
     return codes.view(-1), scales
 

@@ -61,7 +61,7 @@ def make_data(kind: str, n: int, group: int, seed: int) -> torch.Tensor:
     if kind == "special":
         x = torch.randn(n, generator=g)
         ng = n // group
-        # ties: y = x / scale lands on k + 0.5 exactly (scale 1 when the group's max is qmax = 7 or 127)
+        # ties: y = x * (1 / scale) lands on k + 0.5 exactly (scale 1 when the group's max is qmax = 7 or 127)
         if ng > 0:
             t = (torch.arange(group) % 14 - 7).float() + 0.5
             t[0] = 127.0
@@ -89,6 +89,13 @@ def make_data(kind: str, n: int, group: int, seed: int) -> torch.Tensor:
             x[8 * group + 2] = -3e-40
             x[8 * group + 3] = 2.0 ** -101
             x[8 * group + 4] = -(2.0 ** -126)
+        if ng > 9:
+            # scale just above and (next group) just below 2**-127, where 1 / scale overflows: codes 0
+            g9 = x[9 * group: 10 * group]
+            g9.mul_(2.0 ** -118 / float(g9.abs().max()))
+        if ng > 10:
+            g10 = x[10 * group: 11 * group]
+            g10.mul_(2.0 ** -121.2 / float(g10.abs().max()))
         return x
     raise ValueError(kind)
 
@@ -127,12 +134,13 @@ def poisoned(numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------
 # (group_size, hadamard_size, groups): register tiles (divisors of 256), a block per group (multiples of 256 up
 # to 8192), the streaming kernel (96, 160, 16384), every Hadamard size the kernels take (8..256; the reference
-# also defines 2 and 4, which the binding refuses), odd group counts for partial tiles, and >= 9 groups where
+# also defines 2 and 4, which the binding refuses), odd group counts for partial tiles, and >= 11 groups where
 # the "special" data has all its cases.
 OP1_CASES = [
     (128, 32, 7), (128, None, 9), (128, 128, 3), (32, 32, 33), (8, 8, 5), (16, 8, 3), (32, 16, 3), (64, 16, 11),
     (256, 256, 5), (512, 32, 3), (1024, 64, 3), (2048, None, 3), (2048, 256, 1), (96, 32, 7), (768, 256, 3),
     (4096, 32, 3), (160, 32, 5), (2048, 32, 9), (8192, 64, 3), (16384, None, 2), (512, None, 10),
+    (128, 32, 11), (128, None, 12), (256, 64, 11),
 ]
 
 

@@ -104,7 +104,8 @@ def make_data(kind, n, group_size, qmax, seed):
 
     normal: N(0, 4).  heavy: Student-t (df=2) with a few 1e3 outliers.  special: per group, cycling:
     all zeros (with -0.0), exact rounding ties at scale 1, NaN, +inf, -inf with NaN, subnormals only,
-    1.0 next to negative subnormals, values near fp32 max (sums overflow, fp16 casts give inf).
+    1.0 next to negative subnormals, values near fp32 max (sums overflow, fp16 casts give inf), scales
+    just above and just below 2**-127 (where 1 / scale overflows).
     """
     gen = torch.Generator().manual_seed(seed)
     if kind == "normal":
@@ -120,7 +121,7 @@ def make_data(kind, n, group_size, qmax, seed):
     for gi in range(math.ceil(n / group_size)):
         lo, hi = gi * group_size, min(n, (gi + 1) * group_size)
         g = x[lo:hi]
-        pat = gi % 8
+        pat = gi % 9
         if pat == 0:
             g.zero_()
             g[::3] = -0.0
@@ -141,8 +142,11 @@ def make_data(kind, n, group_size, qmax, seed):
         elif pat == 6:
             g.copy_(-torch.randint(0, 4, (g.numel(),), generator=gen).float() * tiny)
             g[0] = 1.0
-        else:
+        elif pat == 7:
             g.mul_(1e38)
+        else:
+            # absmax / qmax just below 2**-127 (odd groups: 1 / scale overflows, codes 0) or just above it
+            g.mul_((2.0 ** -121.2 if gi % 2 else 2.0 ** -118) / max(float(g.abs().max()), 1e-30))
     return x
 
 
@@ -188,6 +192,7 @@ HQ_CASES = [
     (64, 3, 32, (3, 2), SMALL_TILE),  # the same with a transform, over several programs
     (96, 3, 32, None, None),  # group size not a power of two
     (2048, 1, 32, None, None),  # the weight group size, with a transform
+    (32, 10, 32, None, None),  # >= 9 groups: every special pattern, both sides of the 2**-127 scale
 ]
 
 
@@ -211,16 +216,17 @@ def test_hadamard_quantize_matches_reference(backend, device, dtype, bits, round
 
 @pytest.mark.parametrize("bits", (4, 8))
 def test_stochastic_uniforms_exact_at_decision_boundaries(backend, device, bits):
-    """Inputs placed exactly on floor(y + u)'s decision boundary for their own counter's u.
+    """Inputs placed exactly on floor(y + u1)'s decision boundary for their own counter's u1.
 
-    With scale 1 (the first element is qmax), element i gets y = 1 - u_i (so y + u_i = 1, code 1) or
-    y = 1 - u_i - 2**-24 (y + u_i = 1 - 2**-24, code 0): the codes match the reference only if every u_i
-    is bit-identical, which random data alone would almost never reveal.
+    With scale 1 (the first element is qmax), element i gets y = 2 - u1_i (so y + u1_i = 2, code 1) or
+    y = 2 - u1_i - 2**-23 (y + u1_i = 2 - 2**-23, code 0): the codes match the reference only if every u1_i
+    is bit-identical, which random data alone would almost never reveal.  The offset is odd, so pairs of
+    counters that share a hash straddle the vectors of the kernels.
     """
     n, offset = 256, 4321
-    u = R.uniform_from_counter(KEY, torch.arange(n, dtype=torch.int64) + offset)
-    x = 1.0 - u
-    x[1::2] -= 2.0 ** -24  # exact: 1 - u - 2**-24 is representable for u in [0, 1)
+    u1 = R.stochastic_uniforms(KEY, torch.arange(n, dtype=torch.int64) + offset)
+    x = 2.0 - u1  # exact (Sterbenz)
+    x[1::2] -= 2.0 ** -23  # exact: 2 - u1 is a multiple of 2**-17 in (0, 1)
     x[0] = R.qmax_for_bits(bits)
     want_p, want_s = R.hadamard_quantize(x, bits, n, None, "stochastic", KEY, offset)
     codes = R.unpack_codes(want_p, bits)

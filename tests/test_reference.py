@@ -124,35 +124,59 @@ def test_hadamard_makes_outliers_cheaper_to_quantize():
     assert (rot - x).norm() < 0.8 * (plain - x).norm()
 
 
+def _py_mix32(x):
+    """lowbias32 in plain Python integers (the reference's definition, written independently)."""
+    m = 0xFFFFFFFF
+    x &= m
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    x ^= x >> 16
+    return x
+
+
 def test_counter_rng_is_reproducible_and_uniform():
     k = R.make_key(7, 3, 1)
     offs = torch.arange(200_000)
-    u1 = R.uniform_from_counter(k, offs)
-    u2 = R.uniform_from_counter(k, offs)
-    assert torch.equal(u1, u2)
-    assert float(u1.min()) >= 0.0 and float(u1.max()) < 1.0
-    assert abs(float(u1.mean()) - 0.5) < 0.005
-    hist = torch.histc(u1, bins=10, min=0, max=1) / offs.numel()
+    u1 = R.stochastic_uniforms(k, offs)
+    assert torch.equal(u1, R.stochastic_uniforms(k, offs))
+    u = u1 - 1.0  # exact: u1 is in (1, 2)
+    assert float(u.min()) >= 2.0 ** -17 and float(u.max()) <= 1.0 - 2.0 ** -17
+    assert abs(float(u.double().mean()) - 0.5) < 0.005
+    hist = torch.histc(u, bins=10, min=0, max=1) / offs.numel()
     assert float((hist - 0.1).abs().max()) < 0.005
-    # other keys give other streams; offsets beyond 2**32 are handled
-    assert not torch.equal(u1, R.uniform_from_counter(R.make_key(7, 3, 2), offs))
-    big = R.uniform_from_counter(k, offs + (1 << 32))
-    assert not torch.equal(big, u1)
+    # the 2**16 centred points: (u - 2**-17) * 2**16 is an integer
+    k16 = (u.double() - 2.0 ** -17) * 2.0 ** 16
+    assert torch.equal(k16, k16.round())
+    # two neighbours share one hash but use its two halves: not equal, and not correlated
+    even, odd = u[0::2].double(), u[1::2].double()
+    assert float((even == odd).double().mean()) < 0.001
+    assert abs(float(torch.corrcoef(torch.stack([even, odd]))[0, 1])) < 0.01
+    # other keys give other streams; pair indices beyond 2**32 and negative counters are handled
+    assert not torch.equal(u1, R.stochastic_uniforms(R.make_key(7, 3, 2), offs))
+    assert not torch.equal(R.stochastic_uniforms(k, offs + (1 << 33)), u1)
+    neg = R.stochastic_uniforms(k, torch.arange(-4, 0))
+    assert bool(((neg > 1.0) & (neg < 2.0)).all())
+
+
+def test_counter_rng_matches_pure_python():
+    key = 0x9E3779B9
+    offs = [0, 1, 2, 3, 12345, 2 ** 33 + 5, -1, -2, -3]
+    got = R.stochastic_uniforms(key, torch.tensor(offs, dtype=torch.int64)).tolist()
+    for c, g in zip(offs, got):
+        p = c >> 1
+        h = _py_mix32((p & 0xFFFFFFFF) ^ key)
+        if p >> 32:
+            h = _py_mix32(h ^ ((p >> 32) & 0xFFFFFFFF))
+        k = (h >> 16) if c & 1 else (h & 0xFFFF)
+        assert g == 1.0 + k * 2.0 ** -16 + 2.0 ** -17, c
 
 
 def test_mix32_matches_pure_python():
-    def mix(x):
-        m = 0xFFFFFFFF
-        x &= m
-        x ^= x >> 16
-        x = (x * 0x7FEB352D) & m
-        x ^= x >> 15
-        x = (x * 0x846CA68B) & m
-        x ^= x >> 16
-        return x
     vals = [0, 1, 2, 0xFFFFFFFF, 0x12345678, 0x80000000, 99991]
     got = R.mix32(torch.tensor(vals, dtype=torch.int64)).tolist()
-    assert got == [mix(v) for v in vals]
+    assert got == [_py_mix32(v) for v in vals]
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -236,3 +260,22 @@ def test_wire_bits():
     assert R.wire_bits_per_value(4, 2048) == pytest.approx(4.015625)
     assert R.wire_bits_per_value(8, 128) == 8.25
     assert R.wire_bits_per_value(4, 128) == 4.25
+
+
+def test_reciprocal_is_fitted_so_codes_need_no_clamp():
+    """|x * inv| <= qmax for every group (the kernels round without clamping), over many random groups with
+    absmax on all sorts of mantissas, and inv stays within 2 ulps of 1 / scale."""
+    torch.manual_seed(3)
+    for bits in (4, 8):
+        qmax = R.qmax_for_bits(bits)
+        x = torch.randn(4096, 64) * torch.exp(torch.randn(4096, 1) * 20).clamp(1e-30, 1e30)
+        absmax = R.group_absmax(x.view(-1), 64)
+        scale = absmax / float(qmax)
+        raw = 1.0 / scale
+        inv = R.fit_reciprocal(absmax.view(-1, 1), raw.view(-1, 1), bits).view(-1)
+        assert bool((absmax * inv <= qmax).all())
+        ulps = raw.view(torch.int32) - inv.view(torch.int32)
+        assert int(ulps.min()) >= 0 and int(ulps.max()) <= 2
+        assert int(ulps.max()) >= 1  # the adjustment does happen
+        codes, _ = R.quantize_groups(x.view(-1), bits, 64)
+        assert int(codes.abs().max()) == qmax  # the largest element still reaches qmax

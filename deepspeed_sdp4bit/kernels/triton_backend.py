@@ -15,7 +15,7 @@ interpreted is fixed at import time, so the probe looks at the decorated kernels
 
 How bit-exactness with the reference is kept
 --------------------------------------------
-* All math is fp32.  Divisions use ``tl.math.div_rn`` (IEEE round-to-nearest; plain ``/`` may lower to
+* All math is fp32.  Divisions (the per-group scale and its reciprocal) use ``tl.math.div_rn`` (IEEE round-to-nearest; plain ``/`` may lower to
   an approximate division on GPUs).  Kernels are launched with ``enable_fp_fusion=False`` so that the
   dequantize multiply and the following add are never contracted into one FMA, and (NVIDIA) with
   ``enable_reflect_ftz=False`` so that ``floor`` keeps subnormals like torch does.
@@ -23,7 +23,8 @@ How bit-exactness with the reference is kept
   reshape/permute/split/join; no ``tl.dot`` (its accumulation order differs, and the interpreter
   mishandles bf16 dots).
 * ``absmax`` propagates NaN explicitly (``tl.max`` may drop NaN on GPUs).
-* Stochastic rounding uses the reference's counter hash (``mix32`` in uint32 arithmetic).
+* Stochastic rounding uses the reference's counter hash (``mix32`` in uint32 arithmetic), one hash per pair
+  of counters.
 * bf16 is converted by integer bit manipulation (widening: shift; narrowing: round-to-nearest-even with
   the same NaN handling as torch), because the interpreter truncates fp32->bf16 instead of rounding.
 
@@ -63,7 +64,6 @@ _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # jit-visible constants (globals must be constexpr to be read inside kernels)
 # (no NaN global: Triton re-checks globals by equality at every launch, and NaN != NaN fails that check)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
-_TWO_M24 = tl.constexpr(2.0 ** -24)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -81,14 +81,16 @@ def _mix32(x):
 
 
 @triton.jit
-def _uniform(key_u32, ctr, NEED_HI: tl.constexpr):
-    """fp32 uniforms in [0, 1) for int64 counters ``ctr`` of stream ``key_u32`` (reference formula)."""
-    h = _mix32(ctr.to(tl.uint32) ^ key_u32)  # int64 -> uint32 keeps the low 32 bits
+def _uniform1(key_u32, ctr, NEED_HI: tl.constexpr):
+    """fp32 ``u1`` in (1, 2) for int64 counters ``ctr`` of stream ``key_u32`` (reference.stochastic_uniforms)."""
+    p = ctr >> 1  # the pair index: one hash serves two counters
+    h = _mix32(p.to(tl.uint32) ^ key_u32)  # int64 -> uint32 keeps the low 32 bits
     if NEED_HI:
-        # only compiled in when some counter is >= 2**32 (or negative), as the reference does
-        hi = ctr >> 32
+        # only compiled in when some pair index is >= 2**32 (or negative), as the reference does
+        hi = p >> 32
         h = tl.where(hi != 0, _mix32(h ^ hi.to(tl.uint32)), h)
-    return (h >> 8).to(tl.float32) * _TWO_M24
+    k = tl.where((ctr & 1) != 0, h >> 16, h & 0xFFFF)
+    return ((k << 7) | 0x3F800040).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -144,14 +146,21 @@ def _quantize_rows(x, ctr, key_u32, QMAX: tl.constexpr, STOCH: tl.constexpr, NEE
     nan = tl.full(absmax.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     absmax = tl.where(has_nan, nan, absmax)  # tl.max may drop NaN; the reference propagates it
     scale = tl.math.div_rn(absmax, QMAX * 1.0)
-    valid = (scale > 0.0) & (scale <= _FLT_MAX)  # false for 0, inf and NaN
-    denom = tl.where(valid, scale, 1.0)
-    y = tl.math.div_rn(x, denom[:, None])
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # inf for scale < 2**-127
+    valid = (scale > 0.0) & (scale <= _FLT_MAX) & (inv <= _FLT_MAX)  # false for 0, inf and NaN
+    inv = tl.where(valid, inv, 1.0)
+    # reference.fit_reciprocal: lower inv by an ulp (its bits minus one: inv is a positive normal) while
+    # absmax * inv > qmax, at most twice
+    am = tl.where(valid, absmax, 0.0)
+    for _ in tl.static_range(2):
+        lowered = (inv.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+        inv = tl.where(am * inv > QMAX * 1.0, lowered, inv)
+    y = x * inv[:, None]  # one rounded multiply (launched without fp fusion: never an FMA with the add)
     if STOCH:
-        t = y + _uniform(key_u32, ctr, NEED_HI)
+        t = y + _uniform1(key_u32, ctr, NEED_HI)
         r = tl.floor(t)
-        # floor may be lowered with flush-to-zero (libdevice): a negative subnormal t would give -0, not -1
-        r = tl.where(r > t, r - 1.0, r)
+        # floor may be lowered with flush-to-zero (libdevice): a subnormal t would give 0, not floor(t)
+        r = tl.where(r > t, r - 1.0, r) - 1.0
     else:
         r = tl.floor(tl.abs(y) + 0.5)  # half away from zero
         r = tl.where(y < 0.0, -r, r)
@@ -409,7 +418,7 @@ def _key_i32(key: Optional[int]) -> int:
 
 
 def _need_hi(offset: int, count: int) -> bool:
-    """Whether any counter in [offset, offset + count) has non-zero high 32 bits (incl. negative)."""
+    """Whether a counter in [offset, offset + count) may have a pair index with high bits (a superset test)."""
     return offset < 0 or offset + count > (1 << 32)
 
 
