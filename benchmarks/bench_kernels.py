@@ -289,22 +289,24 @@ def _ds_cases_g(size: int, ds, G: int, gradient_config: bool):
     out = []
     had, rnd, key = (32, "stochastic", 77) if gradient_config else (None, "nearest", None)
     extra = " (ours: + Hadamard 32, stochastic)" if gradient_config else ""
+
+    def make_x():  # fp16 input and 4-bit outputs, shared by the swizzle_quant and quantize cases
+        return {"x": torch.randn(n, device="cuda", dtype=torch.float16),
+                "out": torch.empty(n // 2, dtype=torch.uint8, device="cuda"),
+                "os": torch.empty(n // G, device="cuda")}
+
     sym = ds.Symmetric
     out.append(dict(
         op="ds.swizzle_quant vs ours", config=f"fp16 4-bit g{G} swizzle nodes=2 x gpus=4{extra}",
         in_bytes=2 * n, out_bytes=n // 2 + 4 * n // G,
-        make=lambda n=n: {"x": torch.randn(n, device="cuda", dtype=torch.float16),
-                          "out": torch.empty(n // 2, dtype=torch.uint8, device="cuda"),
-                          "os": torch.empty(n // G, device="cuda")},
+        make=make_x,
         ds=lambda d: ds.swizzle_quant(d["x"], n // G, 4, sym, 1, 2, 4),
         ours=lambda b, d: b.hadamard_quantize(d["x"], 4, G, had, rnd, key, 0, (2, 4), out=d["out"],
                                               out_scales=d["os"])))
     out.append(dict(
         op="ds.quantize vs ours", config=f"fp16 4-bit g{G} (no Hadamard, no swizzle)",
         in_bytes=2 * n, out_bytes=n // 2 + 4 * n // G,
-        make=lambda n=n: {"x": torch.randn(n, device="cuda", dtype=torch.float16),
-                          "out": torch.empty(n // 2, dtype=torch.uint8, device="cuda"),
-                          "os": torch.empty(n // G, device="cuda")},
+        make=make_x,
         ds=lambda d: ds.quantize(d["x"], n // G, 4, sym),
         ours=lambda b, d: b.hadamard_quantize(d["x"], 4, G, None, out=d["out"], out_scales=d["os"])))
     # reduction of 4 chunks of 4-bit data to one (qgZ's intra-node step): input bytes = size

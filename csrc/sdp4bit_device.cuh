@@ -37,8 +37,8 @@ namespace dev {
 
 constexpr int kVec = 8;                          // elements per lane per step
 constexpr int kWide = 32;                        // elements per lane in the wide kernels
-constexpr int kWideStep = kWide * 32;            // elements per warp in the wide kernels
 constexpr int kWarp = 32;
+constexpr int kWideStep = kWide * kWarp;         // elements per warp in the wide kernels
 constexpr int kStep = kVec * kWarp;              // elements per warp step
 constexpr int kThreads = 256;                    // threads per block
 constexpr int kWarpsPerBlock = kThreads / kWarp;

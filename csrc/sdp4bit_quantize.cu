@@ -91,8 +91,8 @@ cudaError_t run(const T* x, int64_t n, int hadamard, int64_t rows, int64_t cols,
     src.div_seg.init(rows > 0 ? src.seg : 1);
     src.seg_vec = rows == 0 || src.seg % kVec == 0;
     // the register tiles need vector loads; a swizzle with seg % 8 != 0 goes through the streaming kernel
-    const bool vec = aligned(x, 16) && src.seg_vec;
     src.x_aligned = aligned(x, 16);
+    const bool vec = src.x_aligned && src.seg_vec;
     return launch_quant(src, q, n, payload, scales, hadamard, vec, stream);
 }
 
