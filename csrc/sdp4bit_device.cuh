@@ -17,8 +17,9 @@
 //   element; scale = absmax / qmax is IEEE-correctly rounded: RN(absmax * RN(1/qmax)) followed by two FMA
 //   residual corrections (exact by Markstein's theorem while absmax is well inside the normal range),
 //   __fdiv_rn otherwise;
-// * stochastic rounding: one counter hash per pair of elements, 16 bits each, turned into u1 in (1, 2) by a
-//   bitwise OR under the exponent of 1.0; floor(RN(y + u1)) - 1 is RD(RN(y + u1) + (1.5*2^23 - 1));
+// * stochastic rounding: one counter hash per pair of elements, 16 bits each (bits 7..22 of the hash and of
+//   its 16-bit rotation), put under the exponent of 1.0 by one AND-OR as u1 in (1, 2);
+//   floor(RN(y + u1)) - 1 is RD(RN(y + u1) + (1.5*2^23 - 1));
 // * integers and floats convert through the "magic" constant 1.5*2^23 (exact for |v| < 2^22) instead of
 //   I2F/F2I/FRND, which run at a quarter of the FP32 rate: floor(t) is the low mantissa bits of
 //   RD(t + 1.5*2^23), and a code c is the float 1.5*2^23 + c, whose low byte/nibble is c's two's complement;
@@ -94,6 +95,20 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x)
     return x;
 }
 
+// u1 of the even / odd counter of a pair with hash h: bits 7..22 of h, or of h rotated by 16 bits (a byte
+// permute), under the exponent of 1.0 with the half-step 2^-17 set.
+// `one` holds kU1Bits; passing it at run time (QuantOut::u1_bits) lets it sit in a register, which makes
+// the AND-OR one LOP3 (a LOP3 takes a single immediate, so two constants would cost two).
+constexpr uint32_t kU1Bits = 0x3F800040u;
+__device__ __forceinline__ float u1_even(uint32_t h, uint32_t one = kU1Bits)
+{
+    return __uint_as_float((h & 0x7fff80u) | one);
+}
+__device__ __forceinline__ float u1_odd(uint32_t h, uint32_t one = kU1Bits)
+{
+    return u1_even(__byte_perm(h, 0u, 0x1032u), one);
+}
+
 // reference.stochastic_uniforms for the N counters c0 .. c0+N-1 (ODD: c0 is odd): u1 in (1, 2), exact.
 // Pair j of the run is pair index p0 + j; an even counter takes the low 16 bits of its pair's hash, an odd one
 // the high 16 bits.
@@ -130,9 +145,29 @@ __device__ __forceinline__ void uniforms1(uint32_t key, int64_t c0, float (&u)[N
 #pragma unroll
     for (int t = 0; t < N; ++t) {
         const int j = ODD ? (t + 1) >> 1 : t >> 1;
-        const bool high = ODD ? ((t & 1) == 0) : ((t & 1) == 1);
-        const uint32_t bits = high ? ((h[j] >> 9) & 0x7fff80u) : ((h[j] << 7) & 0x7fff80u);
-        u[t] = __uint_as_float(bits | 0x3F800040u);
+        const bool odd_counter = ODD ? ((t & 1) == 0) : ((t & 1) == 1);
+        u[t] = odd_counter ? u1_odd(h[j]) : u1_even(h[j]);
+    }
+}
+
+// reference.stochastic_uniforms for 2*NP counters c0 .. c0+2*NP-1 where c0 is a non-negative multiple of 2*NP
+// (NP a power of two <= 2^16) and the pair indices stay below 2^32 (the launcher checks offset and size).
+// Then the pair indices lo0 + j = lo0 | j share their high 16 bits, and mix32's first xor-shift of
+// (lo ^ key) is d ^ j with d computed once: one hash costs 7 instructions, not 9.
+template <int NP>
+__device__ __forceinline__ void uniforms1_aligned(uint32_t key, uint32_t one, int64_t c0, float (&u)[2 * NP])
+{
+    const uint32_t lo0 = static_cast<uint32_t>(c0 >> 1);
+    const uint32_t d = lo0 ^ (lo0 >> 16) ^ key ^ (key >> 16);
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+        uint32_t x = d ^ static_cast<uint32_t>(j);
+        x *= 0x7feb352du;
+        x ^= x >> 15;
+        x *= 0x846ca68bu;
+        x ^= x >> 16;
+        u[2 * j] = u1_even(x, one);
+        u[2 * j + 1] = u1_odd(x, one);
     }
 }
 
@@ -165,9 +200,57 @@ __device__ __forceinline__ float round_to_magic(float y, float u1, float qmax)
     }
 }
 
-// 8 payload codes of element o (o a multiple of 8) as floats.  BITS=8: int8 per byte; BITS=4: element 2i in
-// the low nibble of byte i.  Decoding flips the sign bit of each field (c + 128 / c + 8, unsigned), puts it
-// under the 2^23 exponent and subtracts: no integer-to-float conversion instruction.
+// ---- code words: the payload as 32-bit words (4 int8 codes, or 8 int4 codes with element 2i in the low
+// nibble of byte i), to and from codes given as floats ----
+// Decoding flips the sign bit of each field (c + 128 / c + 8, unsigned), puts it under the 2^23 exponent with a
+// byte permute and subtracts: no integer-to-float conversion instruction.  Encoding takes the low byte of each
+// magic float (kMagic + c: the code's two's complement) with byte permutes.
+
+// c[0..4) = the 4 int8 codes of w
+__device__ __forceinline__ void decode_bytes(uint32_t w, float* c)
+{
+    const uint32_t x = w ^ 0x80808080u;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) c[t] = __fsub_rn(__uint_as_float(__byte_perm(x, 0x4Bu, 0x4550u | t)), 8388736.0f);
+}
+
+// c[0..8) = the 8 int4 codes of w
+__device__ __forceinline__ void decode_nibbles(uint32_t w, float* c)
+{
+    const uint32_t x = w ^ 0x88888888u;
+    const uint32_t ev = x & 0x0f0f0f0fu;  // elements 0, 2, 4, 6 (low nibbles), one per byte
+    const uint32_t od = (x >> 4) & 0x0f0f0f0fu;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        c[2 * t] = __fsub_rn(__uint_as_float(__byte_perm(ev, 0x4Bu, 0x4550u | t)), 8388616.0f);
+        c[2 * t + 1] = __fsub_rn(__uint_as_float(__byte_perm(od, 0x4Bu, 0x4550u | t)), 8388616.0f);
+    }
+}
+
+// the low bytes of 4 words, in order, as one word
+__device__ __forceinline__ uint32_t low_bytes(uint32_t b0, uint32_t b1, uint32_t b2, uint32_t b3)
+{
+    return __byte_perm(__byte_perm(b0, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
+}
+
+// the word of 4 int8 codes mk[0..4) (magic floats)
+__device__ __forceinline__ uint32_t encode_bytes(const float* mk)
+{
+    return low_bytes(__float_as_uint(mk[0]), __float_as_uint(mk[1]), __float_as_uint(mk[2]), __float_as_uint(mk[3]));
+}
+
+// the word of 8 int4 codes mk[0..8): the even elements' bytes keep their low nibbles, the odd elements' bytes
+// shifted by 4 give the high nibbles (one bit-select)
+__device__ __forceinline__ uint32_t encode_nibbles(const float* mk)
+{
+    const uint32_t ev = low_bytes(__float_as_uint(mk[0]), __float_as_uint(mk[2]), __float_as_uint(mk[4]),
+                                  __float_as_uint(mk[6]));
+    const uint32_t od = low_bytes(__float_as_uint(mk[1]), __float_as_uint(mk[3]), __float_as_uint(mk[5]),
+                                  __float_as_uint(mk[7]));
+    return (ev & 0x0f0f0f0fu) | ((od << 4) & 0xf0f0f0f0u);
+}
+
+// 8 payload codes of element o (o a multiple of 8) as floats.
 template <int BITS>
 __device__ __forceinline__ void load_codes(const uint8_t* __restrict__ payload, int64_t o, bool vec, float (&c)[8])
 {
@@ -185,14 +268,8 @@ __device__ __forceinline__ void load_codes(const uint8_t* __restrict__ payload, 
                 hi |= static_cast<uint32_t>(payload[o + 4 + t]) << (8 * t);
             }
         }
-        lo ^= 0x80808080u;
-        hi ^= 0x80808080u;
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            // bytes: [field t, 0, 0, 0x4B] = 2^23 + (c + 128)
-            c[t] = __fsub_rn(__uint_as_float(__byte_perm(lo, 0x4Bu, 0x4550u | t)), 8388736.0f);
-            c[t + 4] = __fsub_rn(__uint_as_float(__byte_perm(hi, 0x4Bu, 0x4550u | t)), 8388736.0f);
-        }
+        decode_bytes(lo, c);
+        decode_bytes(hi, c + 4);
     } else {
         uint32_t w;
         const uint8_t* b = payload + o / 2;
@@ -202,24 +279,16 @@ __device__ __forceinline__ void load_codes(const uint8_t* __restrict__ payload, 
             w = static_cast<uint32_t>(b[0]) | (static_cast<uint32_t>(b[1]) << 8) |
                 (static_cast<uint32_t>(b[2]) << 16) | (static_cast<uint32_t>(b[3]) << 24);
         }
-        w ^= 0x88888888u;
-#pragma unroll
-        for (int t = 0; t < kVec; ++t) {
-            c[t] = __fsub_rn(__uint_as_float(((w >> (4 * t)) & 0xfu) | 0x4B000000u), 8388616.0f);
-        }
+        decode_nibbles(w, c);
     }
 }
 
-// Store 8 codes given as magic floats: their low byte (nibble) is the code's two's complement.
+// Store 8 codes given as magic floats.
 template <int BITS>
 __device__ __forceinline__ void store_codes(uint8_t* __restrict__ payload, int64_t o, bool vec, const float (&mk)[8])
 {
-    uint32_t b[8];
-#pragma unroll
-    for (int t = 0; t < kVec; ++t) b[t] = __float_as_uint(mk[t]);
     if constexpr (BITS == 8) {
-        const uint32_t lo = __byte_perm(__byte_perm(b[0], b[1], 0x0040u), __byte_perm(b[2], b[3], 0x0040u), 0x5410u);
-        const uint32_t hi = __byte_perm(__byte_perm(b[4], b[5], 0x0040u), __byte_perm(b[6], b[7], 0x0040u), 0x5410u);
+        const uint32_t lo = encode_bytes(mk), hi = encode_bytes(mk + 4);
         if (vec) {
             *reinterpret_cast<uint2*>(payload + o) = make_uint2(lo, hi);
         } else {
@@ -230,9 +299,7 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ payload, int64
             }
         }
     } else {
-        uint32_t w = 0;
-#pragma unroll
-        for (int t = 0; t < kVec; ++t) w |= (b[t] & 0xfu) << (4 * t);
+        const uint32_t w = encode_nibbles(mk);
         uint8_t* p = payload + o / 2;
         if (vec) {
             *reinterpret_cast<uint32_t*>(p) = w;
@@ -399,6 +466,7 @@ struct QuantOut {
     float rq;       // RN(1 / qmax)
     int group_shift;  // log2(group) when group is a power of two (the register tiles), else -1
     uint32_t key;
+    uint32_t u1_bits;  // kU1Bits, as a run-time value (see u1_even)
     int64_t offset;
     bool vec;  // payload aligned for 8-byte (bits=8) / 4-byte (bits=4) stores
 };
@@ -630,28 +698,15 @@ __device__ __forceinline__ void warp_store_staged(uint4* sm, int lane, Addr addr
 template <int BITS>
 __device__ __forceinline__ void decode_codes32(const uint4 (&d)[BITS / 4], float (&c)[kWide])
 {
-    if constexpr (BITS == 8) {
-        const uint32_t w[8] = {d[0].x, d[0].y, d[0].z, d[0].w, d[1].x, d[1].y, d[1].z, d[1].w};
+    constexpr int kPer = 32 / BITS;  // codes per word
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const uint32_t x = w[i] ^ 0x80808080u;  // c + 128 per byte
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                c[4 * i + t] = __fsub_rn(__uint_as_float(__byte_perm(x, 0x4Bu, 0x4550u | t)), 8388736.0f);
-            }
-        }
-    } else {
-        const uint32_t w[4] = {d[0].x, d[0].y, d[0].z, d[0].w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t x = w[i] ^ 0x88888888u;  // c + 8 per nibble
-            const uint32_t ev = x & 0x0f0f0f0fu;     // elements 8i, 8i+2, 8i+4, 8i+6 (low nibbles)
-            const uint32_t od = (x >> 4) & 0x0f0f0f0fu;
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                c[8 * i + 2 * t] = __fsub_rn(__uint_as_float(__byte_perm(ev, 0x4Bu, 0x4550u | t)), 8388616.0f);
-                c[8 * i + 2 * t + 1] = __fsub_rn(__uint_as_float(__byte_perm(od, 0x4Bu, 0x4550u | t)), 8388616.0f);
-            }
+    for (int i = 0; i < BITS; ++i) {
+        const uint4& q = d[i / 4];
+        const uint32_t w = (i & 3) == 0 ? q.x : (i & 3) == 1 ? q.y : (i & 3) == 2 ? q.z : q.w;
+        if constexpr (BITS == 8) {
+            decode_bytes(w, c + kPer * i);
+        } else {
+            decode_nibbles(w, c + kPer * i);
         }
     }
 }
@@ -661,23 +716,22 @@ __device__ __forceinline__ void decode_codes32(const uint4 (&d)[BITS / 4], float
 template <int BITS>
 __device__ __forceinline__ void store_codes32(uint8_t* __restrict__ payload, int64_t o, const float (&mk)[kWide])
 {
+    constexpr int kPer = 32 / BITS;
     uint32_t w[BITS];  // 8 words (bits=8) or 4 words (bits=4)
 #pragma unroll
-    for (int i = 0; i < BITS; ++i) {
-        if constexpr (BITS == 8) {
-            const uint32_t b0 = __float_as_uint(mk[4 * i]), b1 = __float_as_uint(mk[4 * i + 1]);
-            const uint32_t b2 = __float_as_uint(mk[4 * i + 2]), b3 = __float_as_uint(mk[4 * i + 3]);
-            w[i] = __byte_perm(__byte_perm(b0, b1, 0x0040u), __byte_perm(b2, b3, 0x0040u), 0x5410u);
-        } else {
-            uint32_t x = 0;
-#pragma unroll
-            for (int t = 0; t < 8; ++t) x |= (__float_as_uint(mk[8 * i + t]) & 0xfu) << (4 * t);
-            w[i] = x;
-        }
-    }
+    for (int i = 0; i < BITS; ++i) w[i] = BITS == 8 ? encode_bytes(mk + kPer * i) : encode_nibbles(mk + kPer * i);
     uint4* p = reinterpret_cast<uint4*>(payload + o * BITS / 8);
 #pragma unroll
     for (int i = 0; i < BITS / 4; ++i) p[i] = make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]);
+}
+
+// Zero codes for the lane's 32 elements at o (a group whose scale is not usable).
+template <int BITS>
+__device__ __forceinline__ void store_zero_codes32(uint8_t* __restrict__ payload, int64_t o)
+{
+    uint4* p = reinterpret_cast<uint4*>(payload + o * BITS / 8);
+#pragma unroll
+    for (int i = 0; i < BITS / 4; ++i) p[i] = make_uint4(0u, 0u, 0u, 0u);
 }
 
 // Lane's 32 codes at element o of a payload whose rows are 16-byte aligned, as words.
@@ -731,15 +785,27 @@ __device__ __forceinline__ float absmax_nan(float m, float x)
 #endif
 }
 
-// Ops 1 and 2 on the wide layout: one warp per 1024 elements, one lane per 32, groups of 32..1024 elements
-// (a power of two: group_shift 5..10) spanning 1..32 lanes.  Src provides load_wide(o, v): the 32 elements at
-// o (zeros at and past its end).  Only launched when every pointer is 16-byte aligned (checked on the host).
-template <class Src, int BITS, bool STOCH, bool HAD>
-__global__ void __launch_bounds__(kThreads) quant_wide_kernel(Src src, QuantOut q, int hadamard, int64_t num_warps)
+// Ops 1 and 2 on the wide layout: one warp per 1024 elements, one lane per 32, groups of 32..8192 elements
+// (a power of two: group_shift 5..13).  A group of up to 1024 spans 1..32 lanes of one warp (shuffles); with
+// MULTI (groups of 2048..8192) it spans 2..8 warps of the block, whose maxima meet in shared memory (a block of
+// kWarpsPerBlock = 8 warps holds whole groups).  Src provides load_wide(o, v): the 32 elements at o (zeros at
+// and past its end).  Only launched when every pointer is 16-byte aligned (checked on the host).
+// ALIGNED (stochastic rounding only): the counters offset + o are non-negative multiples of 32 with pair
+// indices below 2^32, so the uniforms take uniforms1_aligned.  The codes are computed and stored inside the
+// valid-group branch (an invalid group stores zero words): had the branches merged into one store, the
+// compiler would pre-fill all 32 code registers for the rare invalid case.
+// The launch bound is Src's, except for the general counter hash (stochastic, not ALIGNED: rare offsets and
+// groups across warps), whose extra registers would spill under it.
+template <class Src, int BITS, bool STOCH, bool HAD, bool ALIGNED, bool MULTI>
+__global__ void __launch_bounds__(kThreads, (STOCH && !ALIGNED) ? 1 : Src::kMinBlocks)
+    quant_wide_kernel(Src src, QuantOut q, int hadamard, int64_t num_warps)
 {
     const int lane = threadIdx.x & (kWarp - 1);
-    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x / kWarp);
-    if (w >= num_warps) return;  // uniform per warp: shuffles below see full warps
+    const int warp = threadIdx.x / kWarp;
+    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+    // uniform per warp: shuffles below see full warps (MULTI keeps every warp for the block barrier; warps past
+    // the end load zeros and store nothing)
+    if (!MULTI && w >= num_warps) return;
     const int64_t o = w * kWideStep + lane * kWide;
     float v[kWide];
     src.load_wide(o, v);
@@ -747,17 +813,40 @@ __global__ void __launch_bounds__(kThreads) quant_wide_kernel(Src src, QuantOut 
     float m = 0.0f;
 #pragma unroll
     for (int t = 0; t < kWide; ++t) m = absmax_nan(m, v[t]);
-    const int lanes_per_group = 1 << (q.group_shift - 5);
+    const int lanes_per_group = MULTI ? kWarp : 1 << (q.group_shift - 5);
 #pragma unroll
     for (int off = 1; off < kWarp; off <<= 1) {
         if (off < lanes_per_group) m = absmax_nan(m, __shfl_xor_sync(kFullMask, m, off));
     }
+    if constexpr (MULTI) {
+        __shared__ float warp_max[kWarpsPerBlock];
+        if (lane == 0) warp_max[warp] = m;
+        __syncthreads();
+        const int warps_per_group = 1 << (q.group_shift - 10);
+        const int first = warp & ~(warps_per_group - 1);
+        m = warp_max[first];
+        for (int i = 1; i < warps_per_group; ++i) m = absmax_nan(m, warp_max[first + i]);
+    }
     if (o >= q.n_pad) return;  // whole groups: the lanes of a group agree
     const GroupQ g = group_q(__float_as_uint(m), q.qmax, q.rq);
-    float mk[kWide];
-    codes_of<kWide, STOCH>(q, o, v, g, mk);
-    store_codes32<BITS>(q.payload, o, mk);
-    if ((lane & (lanes_per_group - 1)) == 0) q.scales[o >> q.group_shift] = g.scale;
+    if (g.valid) {
+        float u[kWide];
+        if constexpr (STOCH && ALIGNED) {
+            uniforms1_aligned<kWide / 2>(q.key, q.u1_bits, q.offset + o, u);
+        } else if constexpr (STOCH) {
+            uniforms1_any<kWide>(q.key, q.offset + o, u);
+        } else {
+#pragma unroll
+            for (int t = 0; t < kWide; ++t) u[t] = 0.0f;
+        }
+        float mk[kWide];
+#pragma unroll
+        for (int t = 0; t < kWide; ++t) mk[t] = round_to_magic<STOCH>(__fmul_rn(v[t], g.r), u[t], q.qmax);
+        store_codes32<BITS>(q.payload, o, mk);
+    } else {
+        store_zero_codes32<BITS>(q.payload, o);
+    }
+    if ((o & ((int64_t{1} << q.group_shift) - 1)) == 0) q.scales[o >> q.group_shift] = g.scale;  // group's first lane
 }
 
 // ------------------------------------------------------------------------------------------------------
@@ -784,27 +873,44 @@ inline QuantOut make_out(const QuantSpec& q, int64_t n_pad, uint8_t* payload, fl
         if ((1ll << b) == q.group_size) o.group_shift = b;
     }
     o.key = q.key;
+    o.u1_bits = kU1Bits;
     o.offset = q.offset;
     o.vec = aligned(payload, q.bits == 8 ? 8 : 4);
     return o;
 }
 
-// Kernel by group size: register tiles for divisors of 256, a block per group for multiples of 256 up to
-// 8192, the streaming kernel for everything else and whenever a pointer is misaligned.
+template <class Src, int BITS, bool STOCH, bool HAD>
+void launch_quant_wide(const Src& src, const QuantOut& q, int hadamard, cudaStream_t stream)
+{
+    const int64_t nw = (q.n_pad + kWideStep - 1) / kWideStep;
+    // counters offset .. offset + n_pad - 1: multiples of 32 per lane, pair indices (counter >> 1) < 2^32
+    const bool aligned_counters = q.offset >= 0 && q.offset % kWide == 0 && q.offset + q.n_pad <= (1ll << 33);
+    const unsigned int blocks = blocks_for(nw);
+    if (q.group_shift > 10) {  // groups across warps: rare in the gradient path, counters taken generally
+        quant_wide_kernel<Src, BITS, STOCH, HAD, false, true><<<blocks, kThreads, 0, stream>>>(src, q, hadamard, nw);
+    } else if (STOCH && aligned_counters) {  // (ALIGNED = STOCH: no separate nearest-rounding instance)
+        quant_wide_kernel<Src, BITS, STOCH, HAD, STOCH, false><<<blocks, kThreads, 0, stream>>>(src, q, hadamard, nw);
+    } else {
+        quant_wide_kernel<Src, BITS, STOCH, HAD, false, false><<<blocks, kThreads, 0, stream>>>(src, q, hadamard, nw);
+    }
+}
+
+// Kernel by group size: the wide kernels where Src has them (power-of-two groups of 32..8192), else register
+// tiles for divisors of 256, a block per group for multiples of 256 up to 8192, the streaming kernel for
+// everything else and whenever a pointer is misaligned.
 template <class Src, int BITS, bool STOCH>
 cudaError_t launch_quant_t(const Src& src, const QuantOut& q, int hadamard, bool vec, cudaStream_t stream)
 {
     const int64_t g = q.group;
     if constexpr (Src::kHasWide) {
-        // 32 elements per lane: power-of-two groups of 32..1024, no Hadamard or blocks of at least 32, 16-byte
-        // aligned payload, Src's own conditions
-        if (src.wide_ok() && q.group_shift >= 5 && q.group_shift <= 10 && aligned(q.payload, 16) &&
-            (hadamard <= 1 || (hadamard >= kWide && hadamard <= g))) {
-            const int64_t nw = (q.n_pad + kWideStep - 1) / kWideStep;
+        // 32 elements per lane: power-of-two groups of 32..8192, no Hadamard or blocks of 32..1024 (one warp),
+        // 16-byte aligned payload, Src's own conditions
+        if (src.wide_ok() && q.group_shift >= 5 && q.group_shift <= 13 && aligned(q.payload, 16) &&
+            (hadamard <= 1 || (hadamard >= kWide && hadamard <= g && hadamard <= kWideStep))) {
             if (hadamard > 1) {
-                quant_wide_kernel<Src, BITS, STOCH, true><<<blocks_for(nw), kThreads, 0, stream>>>(src, q, hadamard, nw);
+                launch_quant_wide<Src, BITS, STOCH, true>(src, q, hadamard, stream);
             } else {
-                quant_wide_kernel<Src, BITS, STOCH, false><<<blocks_for(nw), kThreads, 0, stream>>>(src, q, hadamard, nw);
+                launch_quant_wide<Src, BITS, STOCH, false>(src, q, hadamard, stream);
             }
             return cudaGetLastError();
         }

@@ -54,8 +54,11 @@ struct SrcDequantSum {
         return rows_aligned && m % kWide == 0 && (row_bytes % 16) == 0 && div_group.d % kWide == 0;
     }
 
-    // The lane's 32 sums at o (zeros at and past m).  (Batching the loads of several chunks raised the
-    // register count to ~120 and ran slower on an H200 than this plain loop, which the compiler unrolls by 2.)
+    // The lane's 32 sums at o (zeros at and past m).  kMinBlocks: at most 64 registers (4 blocks of 256
+    // threads per SM, from 80 registers and 3 blocks) ran ops 2 and 3 5-13% faster on an H200 for k = 1..8.
+    // (Loading the first 2 or 4 chunks ahead of decoding them, with chunks past k predicated off, ran slower:
+    // 96 registers, or spills at 64.)
+    static constexpr int kMinBlocks = 4;
     __device__ __forceinline__ void load_wide(int64_t o, float (&v)[kWide]) const
     {
         if (o >= m) {
@@ -136,8 +139,9 @@ __global__ void __launch_bounds__(kThreads) dequant_sum_ih_kernel(SrcDequantSum<
 // Op 3 on the wide layout (32 elements per lane, see quant_wide_kernel); only when src.wide_ok() and the
 // output is 16-byte aligned.
 template <int BITS, typename TO, bool HAD>
-__global__ void __launch_bounds__(kThreads) dequant_sum_ih_wide_kernel(SrcDequantSum<BITS> src, TO* __restrict__ out,
-                                                                      int hadamard, float factor, int64_t num_warps)
+__global__ void __launch_bounds__(kThreads, SrcDequantSum<BITS>::kMinBlocks)
+    dequant_sum_ih_wide_kernel(SrcDequantSum<BITS> src, TO* __restrict__ out, int hadamard, float factor,
+                               int64_t num_warps)
 {
     __shared__ uint4 stage[kWarpsPerBlock][2 * sizeof(TO) * kWarp];  // a warp tile of TO
     const int lane = threadIdx.x & (kWarp - 1);

@@ -139,8 +139,11 @@ def stochastic_uniforms(key: int, offsets: torch.Tensor) -> torch.Tensor:
     One 32-bit hash serves two neighbouring counters (16 random bits each), which halves the kernels' hashing
     work: the pair index ``p = offset >> 1`` (arithmetic shift) gives ``h = mix32((p mod 2**32) ^ key)``,
     and for ``p >= 2**32`` or ``p < 0`` additionally ``h = mix32(h ^ ((p >> 32) mod 2**32))``.  An even
-    counter takes ``k = h & 0xFFFF``, an odd one ``k = h >> 16``; then ``u1`` is the float with bits
-    ``0x3F800040 | (k << 7)``, i.e. ``1 + k * 2**-16 + 2**-17`` (exact).
+    counter takes the 16 bits ``k = (h >> 7) & 0xFFFF``, an odd one the other 16, ``k = (rotl16(h) >> 7) &
+    0xFFFF`` with ``rotl16(h) = (h << 16 | h >> 16) mod 2**32``; then ``u1`` is the float with bits
+    ``0x3F800040 | (k << 7)``, i.e. ``1 + k * 2**-16 + 2**-17`` (exact).  Taking bits 7..22 (of ``h`` or of its
+    16-bit rotation) puts them straight under the exponent of 1.0: a kernel builds an even ``u1`` with one
+    bitwise AND-OR and an odd one with a byte permute more.
     """
     offsets = offsets.to(torch.int64)
     p = offsets >> 1
@@ -148,8 +151,9 @@ def stochastic_uniforms(key: int, offsets: torch.Tensor) -> torch.Tensor:
     hi = p >> 32
     if bool((hi != 0).any()):
         h = torch.where(hi != 0, mix32(h ^ (hi & _MASK32)), h)
-    k = torch.where((offsets & 1) == 1, h >> 16, h & 0xFFFF)
-    return ((k << 7) | 0x3F800040).to(torch.int32).view(torch.float32)
+    rot = ((h << 16) | (h >> 16)) & _MASK32
+    k7 = torch.where((offsets & 1) == 1, rot, h) & 0x7FFF80  # k << 7
+    return (k7 | 0x3F800040).to(torch.int32).view(torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------

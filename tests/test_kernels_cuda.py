@@ -154,10 +154,12 @@ def test_hadamard_quantize_matches_reference(cb, case, bits, rounding):
     for kind in KINDS:
         for dtype in DTYPES:
             x = make_data(kind, n, group, seed=n + bits).to(dtype)
-            p_ref, s_ref = R.hadamard_quantize(x, bits, group, had, rounding, key, 17)
+            # an odd counter offset (the general hash path) and a multiple of 32 (the wide kernels' aligned one)
+            offset = 17 if dtype == torch.float32 else 64
+            p_ref, s_ref = R.hadamard_quantize(x, bits, group, had, rounding, key, offset)
             out = poisoned(n * bits // 8, torch.uint8)
             out_s = poisoned(ngroups, torch.float32)
-            p, s = cb.hadamard_quantize(x.cuda(), bits, group, had, rounding, key, 17, out=out, out_scales=out_s)
+            p, s = cb.hadamard_quantize(x.cuda(), bits, group, had, rounding, key, offset, out=out, out_scales=out_s)
             assert p is out and s is out_s
             tag = f"{kind}/{dtype}/g{group}/h{had}/b{bits}/{rounding}"
             assert_same(s, s_ref, f"scales {tag}")
@@ -181,7 +183,10 @@ def test_hadamard_quantize_swizzle(cb, swz, rounding):
             assert_same(p, p_ref, f"payload swizzle {swz} {dtype} b{bits}")
 
 
-@pytest.mark.parametrize("offset", [0, (1 << 32) - 37, -5, 3 * (1 << 32) + 11])
+# 0, 96 and 2**33 - 640 (the last pair index is 2**32 - 1) take the wide kernels' aligned-counter hash;
+# 2**33 - 608 (one lane's pairs cross 2**32) and the others take the general one.
+@pytest.mark.parametrize("offset", [0, 96, (1 << 33) - 640, (1 << 33) - 608, (1 << 32) - 37, -5, -64,
+                                    3 * (1 << 32) + 11])
 def test_stochastic_counters_past_32_bits(cb, offset):
     group, n = 128, 128 * 5
     key = R.make_key(99, 1, 2)
@@ -246,12 +251,13 @@ def test_dequant_sum_requant_matches_reference(cb, case, in_bits, out_bits, roun
     for k in (1, 3, 8):
         for kind in ("quantized", "bytes"):
             payloads, scales = make_chunks(k, m, in_bits, group, seed=k + m, kind=kind)
-            p_ref, s_ref = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, group, rounding, key, 40,
+            offset = 40 if k == 3 else 0  # general and aligned counters (see the op 1 test)
+            p_ref, s_ref = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, group, rounding, key, offset,
                                                  ogroup)
             out = poisoned(p_ref.numel(), torch.uint8)
             out_s = poisoned(s_ref.numel(), torch.float32)
-            p, s = cb.dequant_sum_requant(payloads.cuda(), scales.cuda(), in_bits, out_bits, group, rounding, key, 40,
-                                          ogroup, out=out, out_scales=out_s)
+            p, s = cb.dequant_sum_requant(payloads.cuda(), scales.cuda(), in_bits, out_bits, group, rounding, key,
+                                          offset, ogroup, out=out, out_scales=out_s)
             tag = f"k{k}/{kind}/in{group}/out{ogroup}/{in_bits}->{out_bits}/{rounding}"
             assert_same(s, s_ref, f"scales {tag}")
             assert_same(p, p_ref, f"payload {tag}")

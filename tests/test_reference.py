@@ -169,7 +169,9 @@ def test_counter_rng_matches_pure_python():
         h = _py_mix32((p & 0xFFFFFFFF) ^ key)
         if p >> 32:
             h = _py_mix32(h ^ ((p >> 32) & 0xFFFFFFFF))
-        k = (h >> 16) if c & 1 else (h & 0xFFFF)
+        if c & 1:  # the odd counter of a pair takes the bits the even one leaves: h rotated by 16
+            h = ((h << 16) | (h >> 16)) & 0xFFFFFFFF
+        k = (h >> 7) & 0xFFFF
         assert g == 1.0 + k * 2.0 ** -16 + 2.0 ** -17, c
 
 

@@ -89,8 +89,8 @@ def _uniform1(key_u32, ctr, NEED_HI: tl.constexpr):
         # only compiled in when some pair index is >= 2**32 (or negative), as the reference does
         hi = p >> 32
         h = tl.where(hi != 0, _mix32(h ^ hi.to(tl.uint32)), h)
-    k = tl.where((ctr & 1) != 0, h >> 16, h & 0xFFFF)
-    return ((k << 7) | 0x3F800040).to(tl.float32, bitcast=True)
+    h = tl.where((ctr & 1) != 0, (h << 16) | (h >> 16), h)  # an odd counter: the other 16 bits
+    return ((h & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True)
 
 
 @triton.jit
