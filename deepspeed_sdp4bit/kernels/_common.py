@@ -127,6 +127,25 @@ def chunks(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: 
     return payloads, scales, k, m
 
 
+def requant_plan(payloads: torch.Tensor, scales: torch.Tensor, in_bits: int, out_bits: int, group_size: int,
+                 rounding: str, key: Optional[int], out_group_size: Optional[int]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool]:
+    """Op 2's argument checks, shared by both backends (``dequant_sum_requant``'s arguments).
+
+    Returns ``(payloads, scales, k, m, out_group_size, m_pad, stochastic)``: the chunks as ``chunks`` returns
+    them, the output group size (default ``group_size``), the sum's length zero-padded to a multiple of it,
+    and whether rounding is stochastic.
+    """
+    check_bits(in_bits, "in_bits")
+    check_bits(out_bits, "out_bits")
+    check_group_size(group_size, in_bits)
+    ogs = out_group_size or group_size
+    check_group_size(ogs, out_bits, "out_group_size")
+    stoch = check_rounding(rounding, key)
+    payloads, scales, k, m = chunks(payloads, scales, in_bits, group_size)
+    return payloads, scales, k, m, ogs, R.num_groups(m, ogs) * ogs, stoch
+
+
 def backend_from(name: str, source: Any, probe: Callable[[torch.device], Tuple[bool, str]]) -> "_ops.Backend":
     """``ops.Backend(name, ...)`` with the ops named in ``ops.OP_NAMES`` taken from ``source``.
 

@@ -26,7 +26,7 @@ import torch
 from .. import ops as _ops
 from .. import reference as R
 from ._common import (FLOAT_DTYPES, backend_from, buffer, check_bits, check_group_size, check_mode, check_rounding,
-                      chunks)
+                      chunks, requant_plan)
 
 __all__ = [
     "make_backend",
@@ -115,15 +115,9 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
         out: optional uint8 [m_pad*out_bits/8]; out_scales: optional float32 [m_pad/out_group_size].
     Returns: payload uint8 [m_pad*out_bits/8], scales float32 [m_pad/out_group_size].
     """
-    check_bits(in_bits, "in_bits")
-    check_bits(out_bits, "out_bits")
-    check_group_size(group_size, in_bits)
-    ogs = out_group_size or group_size
-    check_group_size(ogs, out_bits, "out_group_size")
-    stoch = check_rounding(rounding, key)
-    payloads, scales, _, m = chunks(payloads, scales, in_bits, group_size)
+    payloads, scales, _, m, ogs, m_pad, stoch = requant_plan(payloads, scales, in_bits, out_bits, group_size,
+                                                             rounding, key, out_group_size)
     payloads, scales = _dense(payloads, scales)
-    m_pad = R.num_groups(m, ogs) * ogs
     payload = buffer(out, m_pad * out_bits // 8, torch.uint8, payloads.device, "out")
     oscales = buffer(out_scales, m_pad // ogs, torch.float32, payloads.device, "out_scales")
     _launch("dequant_sum_requant", payloads, scales, in_bits, out_bits, int(group_size), int(stoch),

@@ -46,7 +46,7 @@ import triton.language as tl
 from .. import ops as _ops
 from .. import reference as R
 from ._common import (FLOAT_DTYPES, backend_from, buffer, check_bits, check_float, check_group_size, check_mode,
-                      check_rounding, check_typed, chunks)
+                      check_rounding, check_typed, chunks, requant_plan)
 
 __all__ = [
     "make_backend",
@@ -501,17 +501,11 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
         out: optional uint8 [m_pad*out_bits/8]; out_scales: optional float32 [m_pad/out_group_size].
     Returns: payload uint8 [m_pad*out_bits/8], scales float32 [m_pad/out_group_size].
     """
-    check_bits(in_bits, "in_bits")
-    qmax = check_bits(out_bits, "out_bits")
-    check_group_size(group_size, in_bits)
-    ogs = out_group_size or group_size
-    check_group_size(ogs, out_bits, "out_group_size")
-    stoch = check_rounding(rounding, key)
-    payloads, scales, k, m = chunks(payloads, scales, in_bits, group_size)
+    payloads, scales, k, m, ogs, m_pad, stoch = requant_plan(payloads, scales, in_bits, out_bits, group_size,
+                                                             rounding, key, out_group_size)
     device = payloads.device
     _check_device(device, scales=scales, out=out, out_scales=out_scales)
-    ngroups = R.num_groups(m, ogs)
-    m_pad = ngroups * ogs
+    ngroups = m_pad // ogs
     payload = buffer(out, m_pad * out_bits // 8, torch.uint8, device, "out")
     oscales = buffer(out_scales, ngroups, torch.float32, device, "out_scales")
     if ngroups == 0:
@@ -521,7 +515,8 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
             payloads.view(torch.int8) if in_bits == 8 else payloads, payloads.stride(0),
             scales, scales.stride(0), k, m, _code_view(payload, out_bits), oscales.view(-1), ngroups,
             _key_i32(key), int(offset), tile_elems=gpp * block_g,
-            IN_GS=group_size, IN_BITS=in_bits, GS=ogs, BLOCK_G=block_g, GPP=gpp, BITS=out_bits, QMAX=qmax,
+            IN_GS=group_size, IN_BITS=in_bits, GS=ogs, BLOCK_G=block_g, GPP=gpp, BITS=out_bits,
+            QMAX=R.qmax_for_bits(out_bits),
             STOCH=stoch, NEED_HI=stoch and _need_hi(int(offset), m_pad))
     return payload, oscales
 
