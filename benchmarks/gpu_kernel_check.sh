@@ -8,7 +8,8 @@
 # one pass of each op with ncu, then the benchmark.  Each step has a time limit so that the whole fits one
 # 10-minute command.
 # Env: BENCH_SIZES_MB (default 8,32,128,512,2048), BENCH_NAME (JSON name, default kernels), SKIP_TRITON_TESTS=1,
-# SKIP_NCU=1, SKIP_BENCH=1.
+# TRITON_TEST_TIMEOUT (seconds, default 150: each Triton configuration compiles on first use), SKIP_NCU=1,
+# SKIP_BENCH=1.
 set -u
 OUT=${OUT:-/tmp/sdp4bit_out}
 mkdir -p "$OUT"
@@ -85,7 +86,7 @@ tail -4 "$OUT/pytest_cuda.txt" | tee -a "$log"
 
 if [ -f tests/test_kernels_triton.py ] && [ "${SKIP_TRITON_TESTS:-0}" != 1 ]; then
     stamp "pytest Triton kernels (on CUDA)"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rs --tb=short --maxfail=10 tests/test_kernels_triton.py \
+    timeout "${TRITON_TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs --tb=short --maxfail=10 tests/test_kernels_triton.py \
         >> "$OUT/pytest_cuda.txt" 2>&1
     stamp "pytest Triton rc=$?"
     tail -2 "$OUT/pytest_cuda.txt" | tee -a "$log"

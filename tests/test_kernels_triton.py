@@ -193,6 +193,8 @@ HQ_CASES = [
     (96, 3, 32, None, None),  # group size not a power of two
     (2048, 1, 32, None, None),  # the weight group size, with a transform
     (32, 10, 32, None, None),  # >= 9 groups: every special pattern, both sides of the 2**-127 scale
+    (128, 5, 64, None, SMALL_TILE),  # rows of 64 (eight slabs) in the row kernels
+    (256, 2, 128, None, None),  # a Hadamard size above the row kernels' 64: the general kernel
 ]
 
 
@@ -214,16 +216,19 @@ def test_hadamard_quantize_matches_reference(backend, device, dtype, bits, round
             assert_same_floats(got_s, want_s, "scales " + what)
 
 
+@pytest.mark.parametrize("offset", (4321, 4322, 4320), ids=("odd-general", "even-rows", "aligned-rows"))
 @pytest.mark.parametrize("bits", (4, 8))
-def test_stochastic_uniforms_exact_at_decision_boundaries(backend, device, bits):
+def test_stochastic_uniforms_exact_at_decision_boundaries(backend, device, bits, offset):
     """Inputs placed exactly on floor(y + u1)'s decision boundary for their own counter's u1.
 
     With scale 1 (the first element is qmax), element i gets y = 2 - u1_i (so y + u1_i = 2, code 1) or
     y = 2 - u1_i - 2**-23 (y + u1_i = 2 - 2**-23, code 0): the codes match the reference only if every u1_i
-    is bit-identical, which random data alone would almost never reveal.  The offset is odd, so pairs of
-    counters that share a hash straddle the vectors of the kernels.
+    is bit-identical, which random data alone would almost never reveal.  An odd offset makes pairs of
+    counters that share a hash straddle the vectors of the kernels (the general kernel); an even one takes the
+    row kernel's pair hashing, a multiple of the row size its aligned form.
     """
-    n, offset = 256, 4321
+    n = 256
+    assert (T._rows_plan(32, n, n // 32) is not None) and T._pairs_fit(True, offset, n) == (offset % 2 == 0)
     u1 = R.stochastic_uniforms(KEY, torch.arange(n, dtype=torch.int64) + offset)
     x = 2.0 - u1  # exact (Sterbenz)
     x[1::2] -= 2.0 ** -23  # exact: 2 - u1 is a multiple of 2**-17 in (0, 1)
@@ -237,11 +242,27 @@ def test_stochastic_uniforms_exact_at_decision_boundaries(backend, device, bits)
     assert_same_floats(got_s, want_s, "scales")
 
 
+def test_row_kernel_plan():
+    """Which inputs the row kernels take (the cases above cover both kernels of each op through this rule)."""
+    plan = T._rows_plan
+    assert plan(32, 128, 1 << 20)[1] == 4  # 4 rows of 32 per group of 128
+    assert plan(32, 8192, 1 << 20)[1] == 256  # the largest group: 256 rows, 8 warps on a GPU
+    assert plan(64, 128, 64) is not None  # rows of 64
+    assert plan(128, 256, 64) is None  # rows above 64 values per thread: the general kernel
+    assert plan(32, 96, 64) is None  # 3 rows per group: not a power of two
+    assert plan(64, 32, 64) is None  # groups smaller than a row
+    assert T._pairs_fit(False, 7, 64)  # nearest rounding hashes nothing
+    assert not T._pairs_fit(True, 7, 64)  # odd offset: pairs straddle rows
+    assert not T._pairs_fit(True, 2 ** 33 - 64, 256)  # pair indices at or above 2**32: a second hash round
+    assert not T._pairs_fit(True, -64, 256)  # negative counters
+    assert T._pairs_fit(True, 2 ** 33 - 512, 512)  # the last pair below 2**32
+
+
 def test_hadamard_quantize_counters_above_2_32(backend, device):
     """Stochastic counters crossing 2**32 or negative (the reference's second hash round), key >= 2**31."""
     key = R.make_key(5, 2 ** 40 + 3) | 0x80000000
     x = make_data("heavy", 64 * 3, 64, 7, seed=9)
-    for offset in (2 ** 32 - 100, 2 ** 33 + 17, -50):
+    for offset in (2 ** 32 - 100, 2 ** 33 - 192, 2 ** 33 + 17, -50):  # rows, rows to the last pair, general x2
         want_p, want_s = R.hadamard_quantize(x, 4, 64, 32, "stochastic", key, offset)
         got_p, got_s = backend.hadamard_quantize(x.to(device), 4, 64, 32, "stochastic", key, offset)
         assert_same_bytes(got_p, want_p, f"payload offset={offset}")
@@ -289,6 +310,8 @@ DSIH_CASES = [
     (4, 32, None, 3, 0.125, "random", None),
     (2, 128, 32, 3, 1e-3, "quantized", SMALL_TILE),
     (2, 64, 64, 3, 2.0, "random", None),
+    (2, 128, 128, 2, 0.5, "random", None),  # Hadamard size above the row kernels' 64: the general kernel
+    (3, 32, 64, 4, 1.0, "quantized", SMALL_TILE),  # groups smaller than a row: the general kernel
 ]
 
 

@@ -25,18 +25,27 @@ How bit-exactness with the reference is kept
 * ``absmax`` propagates NaN explicitly (``tl.max`` may drop NaN on GPUs).
 * Stochastic rounding uses the reference's counter hash (``mix32`` in uint32 arithmetic), one hash per pair
   of counters.
-* bf16 is converted by integer bit manipulation (widening: shift; narrowing: round-to-nearest-even with
-  the same NaN handling as torch), because the interpreter truncates fp32->bf16 instead of rounding.
+* bf16 is widened by a shift; compiled kernels narrow fp32 to bf16 with the GPU's round-to-nearest-even
+  conversion, the interpreter (whose cast truncates) with integer rounding that matches torch, NaN included.
 
 Launch shape
 ------------
-Grouped ops (1, 2, 4) give each program ``GPP`` whole groups as a [GPP, BLOCK_G] tile (BLOCK_G = the
-group size rounded up to a power of two, extra columns masked); ops 3 and 5 give each program a flat
-block.  On GPUs a tile is ~4096 elements (8 warps); under the interpreter, where every program pays a
+Ops 1-3 first try the *row kernels*: a program owns R rows of B consecutive elements (B = the Hadamard size,
+or 32 without a transform; B <= 64), one row per thread on GPUs, held as a tuple of [R, 8] slabs so that a
+whole row stays in one thread's registers (butterfly, group maximum and rounding without shared memory or
+shuffles).  They apply when a group is a power-of-two number of rows, a swizzle segment holds whole rows and,
+for stochastic rounding, the offset is even with every pair index below 2**32 (``_rows_plan``,
+``_pairs_fit``); everything else (odd offsets, groups such as 96, Hadamard sizes above 64, counters past
+2**33) takes the general kernels below, which the tests cover as well.
+
+General kernels: grouped ops (1, 2, 4) give each program ``GPP`` whole groups as a [GPP, BLOCK_G] tile
+(BLOCK_G = the group size rounded up to a power of two, extra columns masked); ops 3 and 5 give each program
+a flat block.  On GPUs a tile is ~4096 elements (8 warps); under the interpreter, where every program pays a
 Python cost per instruction, one program takes up to 32768 elements.  Group sizes, bit widths, Hadamard
 size, rounding mode and dtypes are compile-time constants, so each configuration compiles once.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -64,6 +73,18 @@ _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # jit-visible constants (globals must be constexpr to be read inside kernels)
 # (no NaN global: Triton re-checks globals by equality at every launch, and NaN != NaN fails that check)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
+# Compiled kernels narrow fp32 to bf16 with the GPU's own round-to-nearest-even conversion (one instruction
+# per two values); the interpreter's cast truncates, so there the rounding is done with integers.  Triton reads
+# TRITON_INTERPRET when it decorates the kernels below, so the variable is read here at the same moment.
+def _interpret_requested() -> bool:
+    try:
+        from triton import knobs
+        return bool(knobs.runtime.interpret)
+    except (ImportError, AttributeError):  # pragma: no cover - Triton without knobs
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+_NATIVE_BF16 = tl.constexpr(not _interpret_requested())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -107,7 +128,9 @@ def _load_f32(ptr, mask, KIND: tl.constexpr):
 @triton.jit
 def _store_from_f32(ptr, v, mask, KIND: tl.constexpr):
     """Narrow fp32 to the buffer's dtype with round-to-nearest-even and store (bf16 as an int16 view)."""
-    if KIND == 2:
+    if KIND == 2 and _NATIVE_BF16:
+        tl.store(ptr, v.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)  # RNE, like torch
+    elif KIND == 2:
         # torch's fp32->bf16 rule: add 0x7fff + lsb and keep the high half; NaN becomes 0x7fc0.  Written
         # with integers because the interpreter's own fp32->bf16 cast truncates.
         u = v.to(tl.uint32, bitcast=True)
@@ -220,6 +243,8 @@ def _dequant_sum(p_ptr, p_stride, s_ptr, s_stride, k, g, mask, GS: tl.constexpr,
 # kernels
 # ----------------------------------------------------------------------------------------------------------
 _NO_SPEC = ["key", "offset"]
+_ROWS_NO_SPEC = ["key", "offset", "ubits"]  # ubits: a register constant (see _rows_uniforms), never specialized
+_UBITS = 0x7FFF80
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
@@ -336,6 +361,268 @@ def _dequant_add_kernel(replica_ptr, p_ptr, s_ptr, n, GS: tl.constexpr, BITS: tl
     _store_from_f32(replica_ptr + g, deq, mask, R_KIND)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# row-block kernels (the fast path of ops 1-3)
+# ----------------------------------------------------------------------------------------------------------
+# A program owns RB rows of B consecutive elements (B = the Hadamard size, or 32 without a transform), one
+# row per thread on GPUs.  A row is held as a tuple of A = B/8 slabs, each an [RB, 8] tensor, so the layout
+# Triton picks puts a whole row in one thread's registers: the butterfly, the group maximum over the row and
+# the rounding are register arithmetic with no shared memory or shuffles (the 2-D formulation above lets
+# Triton spread a row over lanes, and every butterfly stage then went through shared memory).  Groups are GB
+# consecutive rows (a power of two).  Codes convert to and from floats through the magic constant 1.5 * 2**23
+# (exact for |v| < 2**22): no float<->int conversion instructions, which run at a quarter of the FP32 rate.
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: bits 0x4B400000, whose low 23 bits are 0
+
+
+@triton.jit
+def _split_cols(x, R: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
+    """[R, W] -> tuple of W [R] tensors; column i lands at position bitrev(i) (split halves by the low bit)."""
+    parts = (x,)
+    for lvl in tl.static_range(LOG_W):
+        out = ()
+        for j in tl.static_range(1 << lvl):
+            a, b = tl.split(tl.reshape(parts[j], [R, W >> (lvl + 1), 2]))
+            out = out + (a, b)
+        parts = out
+    res = ()
+    for j in tl.static_range(W):
+        res = res + (tl.reshape(parts[j], [R]),)
+    return res
+
+
+@triton.jit
+def _join_cols(e, R: tl.constexpr, W: tl.constexpr, LOG_W: tl.constexpr):
+    """Inverse of :func:`_split_cols`: tuple of W [R] tensors (bit-reversed positions) -> [R, W]."""
+    parts = ()
+    for j in tl.static_range(W):
+        parts = parts + (tl.reshape(e[j], [R, 1]),)
+    for lvl in tl.static_range(LOG_W):
+        out = ()
+        for j in tl.static_range(W >> (lvl + 1)):
+            out = out + (tl.reshape(tl.join(parts[2 * j], parts[2 * j + 1]), [R, 2 << lvl]),)
+        parts = out
+    return parts[0]
+
+
+@triton.jit
+def _butterfly_rows(xs, R: tl.constexpr, A: tl.constexpr, LOG_A: tl.constexpr):
+    """The reference butterfly (strides 1, 2, ..., 8A/2) on rows held as a tuple of A [R, 8] slabs."""
+    out = ()
+    for a in tl.static_range(A):
+        # strides 1, 2, 4 inside a slab: on its 8 columns as separate tensors (stride s sits at position
+        # distance 4 >> s after the bit-reversing split)
+        e = _split_cols(xs[a], R, 8, 3)
+        for s in tl.static_range(3):
+            f = ()
+            for p in tl.static_range(8):
+                if (p & (4 >> s)) == 0:
+                    f = f + (e[p] + e[p + (4 >> s)],)
+                else:
+                    f = f + (e[p - (4 >> s)] - e[p],)
+            e = f
+        out = out + (_join_cols(e, R, 8, 3),)
+    xs = out
+    for s in tl.static_range(LOG_A):  # strides 8, 16, ...: between slabs
+        out = ()
+        for a in tl.static_range(A):
+            if (a & (1 << s)) == 0:
+                out = out + (xs[a] + xs[a + (1 << s)],)
+            else:
+                out = out + (xs[a - (1 << s)] - xs[a],)
+        xs = out
+    return xs
+
+
+@triton.jit
+def _rows_uniforms(prow, key_u32, ubits, a, R: tl.constexpr, ALIGNED: tl.constexpr):
+    """``u1`` [R, 8] of slab ``a``: the pairs ``prow + 4a + 0..3`` (uint32; ``prow ^ key`` when ALIGNED).
+
+    ``ubits`` is the mask 0x7FFF80 passed as a kernel argument: held in a register, ``(h & ubits) | 0x3F800040``
+    is one LOP3 (a LOP3 takes a single immediate).
+    """
+    j = (tl.arange(0, 4) + a * 4).to(tl.uint32)[None, :]
+    if ALIGNED:
+        h = _mix32(prow[:, None] ^ j)  # prow: pair index ^ key, a multiple of B/2 > 4a + 3: OR == ADD
+    else:
+        h = _mix32((prow[:, None] + j) ^ key_u32)
+    ue = ((h & ubits) | 0x3F800040).to(tl.float32, bitcast=True)
+    uo = ((((h << 16) | (h >> 16))) & ubits | 0x3F800040).to(tl.float32, bitcast=True)
+    return tl.reshape(tl.join(ue, uo), [R, 8])
+
+
+@triton.jit
+def _quantize_store_rows(xs, out_ptr, scale_ptr, pid, blk0, r, rmask, nrows, key, offset, ubits,
+                         R: tl.constexpr, A: tl.constexpr, GB: tl.constexpr, BITS: tl.constexpr,
+                         QMAX: tl.constexpr, STOCH: tl.constexpr, ALIGNED: tl.constexpr):
+    """Quantize rows (tuple of A [R, 8] fp32 slabs; GB rows per group) and store codes and scales.
+
+    ``blk0``: the program's first row (int64); ``r`` = arange(R); rows at and past ``nrows`` are not stored.
+    Stochastic counters: element e of the output has counter ``offset + e`` (offset even, pairs < 2**32).
+    """
+    B: tl.constexpr = A * 8
+    G: tl.constexpr = R // GB
+    # group absmax as the integer maximum of |x|'s bits: NaN bits sort above inf, so one reduction finds both
+    mb = xs[0].to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    for a in tl.static_range(1, A):
+        mb = tl.maximum(mb, xs[a].to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    mb = tl.max(tl.reshape(tl.max(mb, axis=1), [G, GB]), axis=1)
+    absmax = tl.where(mb > 0x7F800000, 0x7FC00000, mb).to(tl.float32, bitcast=True)
+    scale = tl.math.div_rn(absmax, QMAX * 1.0)
+    inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    valid = (scale > 0.0) & (scale <= _FLT_MAX) & (inv <= _FLT_MAX)
+    inv = tl.where(valid, inv, 1.0)
+    am = tl.where(valid, absmax, 0.0)
+    for _ in tl.static_range(2):  # reference.fit_reciprocal
+        lowered = (inv.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True)
+        inv = tl.where(am * inv > QMAX * 1.0, lowered, inv)
+    gi = tl.arange(0, G)
+    tl.store(scale_ptr + pid.to(tl.int64) * G + gi, scale, mask=blk0 + gi * GB < nrows)
+    inv_r = tl.reshape(tl.broadcast_to(inv[:, None], [G, GB]), [R])[:, None]
+    valid_r = tl.reshape(tl.broadcast_to(valid[:, None], [G, GB]), [R])[:, None]
+    if STOCH:
+        prow = (((blk0 * B + offset) >> 1) + r * (B // 2)).to(tl.uint32)
+        key_u32 = key.to(tl.uint32, bitcast=True)
+        if ALIGNED:
+            prow = prow ^ key_u32
+    smask = rmask[:, None] & (tl.arange(0, 8 * BITS // 8) >= 0)[None, :]
+    for a in tl.static_range(A):
+        # |y| <= qmax in a valid group (fitted reciprocal): codes need no clamp, and t is never subnormal
+        y = xs[a] * inv_r
+        # Only the low 8 (or 4) bits of c are stored, so the magic constant's bits need not be subtracted.
+        if STOCH:
+            t = y + _rows_uniforms(prow, key_u32, ubits, a, R, ALIGNED)
+            # floor(t) - 1 = n - (n + 1 > t) with n = RN(t - 1) = mg - (M - 1), mg = RN(t + (M - 1))
+            mg = t + (_MAGIC - 1.0)
+            c = mg.to(tl.int32, bitcast=True)
+            c = tl.where(mg - (_MAGIC - 1.0) > t, c - 1, c)
+        else:
+            t = tl.abs(y) + 0.5  # sign(y) * floor(|y| + 0.5)
+            mg = t + _MAGIC
+            c = mg.to(tl.int32, bitcast=True)  # n + the magic bits, which are 0 mod 256: -c keeps -n's low byte
+            c = tl.where(mg - _MAGIC > t, c - 1, c)
+            c = tl.where(y < 0.0, -c, c)
+        c = tl.where(valid_r, c, 0)
+        if BITS == 8:
+            tl.store(out_ptr + (r[:, None] * B + (a * 8 + tl.arange(0, 8))[None, :]), c.to(tl.int8), mask=smask)
+        else:
+            lo, hi = tl.split(tl.reshape(c, [R, 4, 2]))
+            byte = ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8)
+            tl.store(out_ptr + (r[:, None] * (B // 2) + (a * 4 + tl.arange(0, 4))[None, :]), byte, mask=smask)
+
+
+@triton.jit
+def _decode_slab(p_ptr, r, a, rmask, R: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+    """fp32 codes [R, 8] of slab ``a`` of rows ``r`` (B elements each) from a payload row at ``p_ptr``.
+
+    The code's two's complement, sign bit flipped, goes under the exponent of 2**23: no int->float convert.
+    """
+    if BITS == 8:
+        col = (a * 8 + tl.arange(0, 8))[None, :]
+        b = tl.load(p_ptr + (r[:, None] * B + col), mask=rmask[:, None] & (col >= 0), other=0)
+        # (b ^ 0x80) | 0x4B000000 as one XOR: the zero-extended byte does not reach the exponent bits
+        c = (b.to(tl.uint8, bitcast=True).to(tl.int32) ^ 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        col = (a * 4 + tl.arange(0, 4))[None, :]
+        b = tl.load(p_ptr + (r[:, None] * (B // 2) + col), mask=rmask[:, None] & (col >= 0), other=0).to(tl.int32)
+        lo = ((b & 0xF) ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0  # 2**23 + 8
+        hi = ((b >> 4) ^ 0x4B000008).to(tl.float32, bitcast=True) - 8388616.0
+        c = tl.reshape(tl.join(lo, hi), [R, 8])  # element 2i: the low nibble
+    return c
+
+
+@triton.jit
+def _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R: tl.constexpr, A: tl.constexpr,
+                      IN_GS: tl.constexpr, IN_BITS: tl.constexpr):
+    """Rows ``blk0 + r`` of the fp32 sum ``d_0 + d_1 + ...`` over k chunks, as a tuple of A [R, 8] slabs.
+
+    Row i covers chunk elements ``i*B .. i*B + B-1`` (B = 8A divides IN_GS); rows outside ``rmask`` are 0.
+    """
+    B: tl.constexpr = A * 8
+    p_ptr += blk0 * (B * IN_BITS // 8)
+    sg = (blk0 + r) * B // IN_GS  # each row's input scale
+    s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
+    acc = ()
+    for a in tl.static_range(A):
+        acc = acc + (_decode_slab(p_ptr, r, a, rmask, R, B, IN_BITS) * s,)
+    for _ in range(1, k):
+        # advance the row pointers step by step: no 32-bit j * stride product that could overflow
+        p_ptr += p_stride
+        s_ptr += s_stride
+        s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
+        nxt = ()
+        for a in tl.static_range(A):
+            nxt = nxt + (acc[a] + _decode_slab(p_ptr, r, a, rmask, R, B, IN_BITS) * s,)
+        acc = nxt
+    return acc
+
+
+@triton.jit(do_not_specialize=_ROWS_NO_SPEC)
+def _hadamard_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, nrows, rows, cols, seg, key, offset, ubits,
+                                   A: tl.constexpr, LOG_A: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
+                                   BITS: tl.constexpr, QMAX: tl.constexpr, HAD: tl.constexpr,
+                                   SWIZZLE: tl.constexpr, STOCH: tl.constexpr, ALIGNED: tl.constexpr,
+                                   IN_KIND: tl.constexpr):
+    """Op 1 on R rows of B = 8A output elements per program (see the section comment)."""
+    B: tl.constexpr = A * 8
+    pid = tl.program_id(0)
+    blk0 = pid.to(tl.int64) * R
+    r = tl.arange(0, R)
+    rmask = blk0 + r < nrows
+    if SWIZZLE:
+        # output [cols, rows, seg] from input [rows, cols, seg]; B divides seg: a row never straddles segments
+        o0 = (blk0 + r) * B
+        q = o0 // seg
+        c = q // rows
+        src = tl.multiple_of((q - c * rows) * cols * seg + c * seg + (o0 - q * seg), 8)
+        xp = x_ptr + src[:, None]
+    else:
+        xp = x_ptr + blk0 * B + (r * B)[:, None]
+    col = tl.arange(0, 8)[None, :]
+    mask = rmask[:, None] & (col >= 0)
+    xs = ()
+    for a in tl.static_range(A):
+        xs = xs + (_load_f32(xp + (col + a * 8), mask, IN_KIND),)
+    if HAD:
+        xs = _butterfly_rows(xs, R, A, LOG_A)
+    _quantize_store_rows(xs, out_ptr + blk0 * (B * BITS // 8), scale_ptr, pid, blk0, r, rmask, nrows, key,
+                         offset, ubits, R, A, GB, BITS, QMAX, STOCH, ALIGNED)
+
+
+@triton.jit(do_not_specialize=_ROWS_NO_SPEC)
+def _dequant_sum_requant_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, in_rows, out_ptr, oscale_ptr, nrows,
+                                     key, offset, ubits, A: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
+                                     IN_GS: tl.constexpr, IN_BITS: tl.constexpr, BITS: tl.constexpr,
+                                     QMAX: tl.constexpr, STOCH: tl.constexpr, ALIGNED: tl.constexpr):
+    """Op 2 on R rows of B = 8A elements per program; rows at and past ``in_rows`` are the zero padding."""
+    B: tl.constexpr = A * 8
+    pid = tl.program_id(0)
+    blk0 = pid.to(tl.int64) * R
+    r = tl.arange(0, R)
+    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, blk0 + r < in_rows, R, A, IN_GS,
+                           IN_BITS)
+    _quantize_store_rows(xs, out_ptr + blk0 * (B * BITS // 8), oscale_ptr, pid, blk0, r, blk0 + r < nrows,
+                         nrows, key, offset, ubits, R, A, GB, BITS, QMAX, STOCH, ALIGNED)
+
+
+@triton.jit
+def _dequant_sum_inverse_hadamard_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, nrows, out_ptr, factor,
+                                              A: tl.constexpr, LOG_A: tl.constexpr, R: tl.constexpr,
+                                              IN_GS: tl.constexpr, IN_BITS: tl.constexpr, HAD: tl.constexpr,
+                                              OUT_KIND: tl.constexpr):
+    """Op 3 on R rows of B = 8A elements per program: sum, butterfly, * factor, cast, store."""
+    B: tl.constexpr = A * 8
+    blk0 = tl.program_id(0).to(tl.int64) * R
+    r = tl.arange(0, R)
+    rmask = blk0 + r < nrows
+    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS)
+    if HAD:
+        xs = _butterfly_rows(xs, R, A, LOG_A)
+    col = tl.arange(0, 8)[None, :]
+    op = out_ptr + blk0 * B + (r * B)[:, None]
+    for a in tl.static_range(A):
+        _store_from_f32(op + (col + a * 8), xs[a] * factor, rmask[:, None] & (col >= 0), OUT_KIND)
+
+
 def is_interpreted() -> bool:
     """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (they then also run on CPU)."""
     try:
@@ -381,14 +668,43 @@ def _num_warps(tile_elems: int) -> int:
     return 4 if tile_elems <= 2048 else 8
 
 
+# The row kernels hold a whole row (B fp32 values) in one thread's registers: B = 64 at most.
+_ROWS_MAX_B = 64
+
+
+def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, int]]:
+    """``(R, GB, num_warps)`` for the row kernels with rows of ``b`` elements, or None when they do not apply.
+
+    A group must be a power-of-two number GB of rows, and a program holds whole groups: R rows, one per thread
+    on GPUs (``_GPU_TILE // 32`` rows, more when a group is larger, up to 256 = 8 warps).
+    """
+    if b > _ROWS_MAX_B or group_size % b:
+        return None
+    gb = group_size // b
+    if gb & (gb - 1):
+        return None
+    if _INTERPRETED:
+        rows = max(gb, min(_pow2_at_least(nrows), max(1, _INTERP_TILE // b)))
+        return rows, gb, 4
+    rows = max(gb, min(_pow2_at_least(nrows), max(32, _GPU_TILE // 32)))
+    if rows > 256:
+        return None
+    return rows, gb, max(1, rows // 32)
+
+
+def _pairs_fit(stoch: bool, offset: int, count: int) -> bool:
+    """Whether the row kernels' pair hashing applies: an even offset and every pair index below 2**32."""
+    return not stoch or (offset % 2 == 0 and 0 <= offset and offset + count <= (1 << 33))
+
+
 # enable_reflect_ftz=False (NVIDIA option): libdevice functions (floor) without flush-to-zero, so subnormals
 # behave as in torch.  Other backends do not know the option, so it is only passed for CUDA builds.
 _EXTRA_OPTIONS = {"enable_reflect_ftz": False} if torch.version.hip is None else {}
 
 
-def _launch(kernel, grid, *args, tile_elems: int, **const):
+def _launch(kernel, grid, *args, tile_elems: int = 0, num_warps: Optional[int] = None, **const):
     # enable_fp_fusion=False: dequant multiply + add must stay two roundings (reference order)
-    kernel[grid](*args, **const, num_warps=_num_warps(tile_elems), enable_fp_fusion=False,
+    kernel[grid](*args, **const, num_warps=num_warps or _num_warps(tile_elems), enable_fp_fusion=False,
                  **_EXTRA_OPTIONS)
 
 
@@ -474,6 +790,17 @@ def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size
     if ngroups == 0:
         return payload, scales
     xf = _float_view(x.reshape(-1).contiguous())
+    b = hadamard_size if log_h else 32
+    plan = (_rows_plan(b, group_size, n // b) if (swizzle is None or seg % b == 0) and _pairs_fit(stoch, int(offset), n)
+            else None)
+    if plan is not None:
+        rows_pp, gb, nw = plan
+        _launch(_hadamard_quantize_rows_kernel, (triton.cdiv(n // b, rows_pp),),
+                xf, _code_view(payload, bits), scales.view(-1), n // b, rows, cols, seg, _key_i32(key), int(offset),
+                _UBITS, num_warps=nw, A=b // 8, LOG_A=(b // 8).bit_length() - 1, R=rows_pp, GB=gb, BITS=bits, QMAX=qmax,
+                HAD=bool(log_h), SWIZZLE=swizzle is not None, STOCH=stoch, ALIGNED=stoch and int(offset) % b == 0,
+                IN_KIND=_KIND[x.dtype])
+        return payload, scales
     block_g, gpp = _groups_per_program(group_size, ngroups)
     if log_h:
         # the butterfly reshapes the flat tile into blocks of h: the tile must hold whole blocks
@@ -510,9 +837,20 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
     oscales = buffer(out_scales, ngroups, torch.float32, device, "out_scales")
     if ngroups == 0:
         return payload, oscales
+    in_view = payloads.view(torch.int8) if in_bits == 8 else payloads
+    plan = (_rows_plan(32, ogs, m_pad // 32) if group_size % 32 == 0 and _pairs_fit(stoch, int(offset), m_pad)
+            else None)
+    if plan is not None:
+        rows_pp, gb, nw = plan
+        _launch(_dequant_sum_requant_rows_kernel, (triton.cdiv(m_pad // 32, rows_pp),),
+                in_view, payloads.stride(0), scales, scales.stride(0), k, m // 32, _code_view(payload, out_bits),
+                oscales.view(-1), m_pad // 32, _key_i32(key), int(offset), _UBITS, num_warps=nw,
+                A=4, R=rows_pp, GB=gb, IN_GS=group_size, IN_BITS=in_bits, BITS=out_bits,
+                QMAX=R.qmax_for_bits(out_bits), STOCH=stoch, ALIGNED=stoch and int(offset) % 32 == 0)
+        return payload, oscales
     block_g, gpp = _groups_per_program(ogs, ngroups)
     _launch(_dequant_sum_requant_kernel, (triton.cdiv(ngroups, gpp),),
-            payloads.view(torch.int8) if in_bits == 8 else payloads, payloads.stride(0),
+            in_view, payloads.stride(0),
             scales, scales.stride(0), k, m, _code_view(payload, out_bits), oscales.view(-1), ngroups,
             _key_i32(key), int(offset), tile_elems=gpp * block_g,
             IN_GS=group_size, IN_BITS=in_bits, GS=ogs, BLOCK_G=block_g, GPP=gpp, BITS=out_bits,
@@ -559,9 +897,19 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
         return res
     factor = post_scale / hadamard_size if log_h else post_scale
     factor32 = torch.tensor(factor, dtype=torch.float32).item()  # rounded once to fp32, then passed exactly
+    in_view = payloads.view(torch.int8) if bits == 8 else payloads
+    b = hadamard_size if log_h else 32
+    plan = _rows_plan(b, group_size, m // b) if m % b == 0 else None
+    if plan is not None:
+        rows_pp, _, nw = plan
+        _launch(_dequant_sum_inverse_hadamard_rows_kernel, (triton.cdiv(m // b, rows_pp),),
+                in_view, payloads.stride(0), scales, scales.stride(0), k, m // b, _float_view(res), factor32,
+                num_warps=nw, A=b // 8, LOG_A=(b // 8).bit_length() - 1, R=rows_pp, IN_GS=group_size,
+                IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype])
+        return res
     block = _elements_per_program(m, hadamard_size or 1)
     _launch(_dequant_sum_inverse_hadamard_kernel, (triton.cdiv(m, block),),
-            payloads.view(torch.int8) if bits == 8 else payloads, payloads.stride(0),
+            in_view, payloads.stride(0),
             scales, scales.stride(0), k, m, _float_view(res), factor32, tile_elems=block,
             IN_GS=group_size, IN_BITS=bits, BLOCK=block, LOG_H=log_h, OUT_KIND=_KIND[res.dtype])
     return res
