@@ -45,7 +45,6 @@ Python cost per instruction, one program takes up to 32768 elements.  Group size
 size, rounding mode and dtypes are compile-time constants, so each configuration compiles once.
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -73,18 +72,6 @@ _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # jit-visible constants (globals must be constexpr to be read inside kernels)
 # (no NaN global: Triton re-checks globals by equality at every launch, and NaN != NaN fails that check)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
-# Compiled kernels narrow fp32 to bf16 with the GPU's own round-to-nearest-even conversion (one instruction
-# per two values); the interpreter's cast truncates, so there the rounding is done with integers.  Triton reads
-# TRITON_INTERPRET when it decorates the kernels below, so the variable is read here at the same moment.
-def _interpret_requested() -> bool:
-    try:
-        from triton import knobs
-        return bool(knobs.runtime.interpret)
-    except (ImportError, AttributeError):  # pragma: no cover - Triton without knobs
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-_NATIVE_BF16 = tl.constexpr(not _interpret_requested())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -633,6 +620,10 @@ def is_interpreted() -> bool:
 
 
 _INTERPRETED = is_interpreted()
+# Compiled kernels narrow fp32 to bf16 with the GPU's own round-to-nearest-even conversion (one instruction
+# per two values); the interpreter's cast truncates, so there the rounding is done with integers.  (Read by
+# ``_store_from_f32`` when a kernel compiles or, interpreted, runs: defining it here, after the kernels, is fine.)
+_NATIVE_BF16 = tl.constexpr(not _INTERPRETED)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -791,12 +782,13 @@ def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size
         return payload, scales
     xf = _float_view(x.reshape(-1).contiguous())
     b = hadamard_size if log_h else 32
-    plan = (_rows_plan(b, group_size, n // b) if (swizzle is None or seg % b == 0) and _pairs_fit(stoch, int(offset), n)
+    nrows = n // b
+    plan = (_rows_plan(b, group_size, nrows) if (swizzle is None or seg % b == 0) and _pairs_fit(stoch, int(offset), n)
             else None)
     if plan is not None:
         rows_pp, gb, nw = plan
-        _launch(_hadamard_quantize_rows_kernel, (triton.cdiv(n // b, rows_pp),),
-                xf, _code_view(payload, bits), scales.view(-1), n // b, rows, cols, seg, _key_i32(key), int(offset),
+        _launch(_hadamard_quantize_rows_kernel, (triton.cdiv(nrows, rows_pp),),
+                xf, _code_view(payload, bits), scales.view(-1), nrows, rows, cols, seg, _key_i32(key), int(offset),
                 _UBITS, num_warps=nw, A=b // 8, LOG_A=(b // 8).bit_length() - 1, R=rows_pp, GB=gb, BITS=bits, QMAX=qmax,
                 HAD=bool(log_h), SWIZZLE=swizzle is not None, STOCH=stoch, ALIGNED=stoch and int(offset) % b == 0,
                 IN_KIND=_KIND[x.dtype])
@@ -899,7 +891,7 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
     factor32 = torch.tensor(factor, dtype=torch.float32).item()  # rounded once to fp32, then passed exactly
     in_view = payloads.view(torch.int8) if bits == 8 else payloads
     b = hadamard_size if log_h else 32
-    plan = _rows_plan(b, group_size, m // b) if m % b == 0 else None
+    plan = _rows_plan(b, group_size, m // b)  # b divides group_size, hence m, whenever a plan is returned
     if plan is not None:
         rows_pp, _, nw = plan
         _launch(_dequant_sum_inverse_hadamard_rows_kernel, (triton.cdiv(m // b, rows_pp),),
