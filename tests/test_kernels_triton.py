@@ -251,6 +251,9 @@ def test_row_kernel_plan():
     assert plan(128, 256, 64) is None  # rows above 64 values per thread: the general kernel
     assert plan(32, 96, 64) is None  # 3 rows per group: not a power of two
     assert plan(64, 32, 64) is None  # groups smaller than a row
+    if not T._INTERPRETED:  # on GPUs a program has at least a warp of rows, one per thread
+        assert plan(32, 64, 3) == (32, 2, 1)
+        assert plan(32, 128, 1 << 20) == (128, 4, 4)
     assert T._pairs_fit(False, 7, 64)  # nearest rounding hashes nothing
     assert not T._pairs_fit(True, 7, 64)  # odd offset: pairs straddle rows
     assert not T._pairs_fit(True, 2 ** 33 - 64, 256)  # pair indices at or above 2**32: a second hash round

@@ -1,7 +1,9 @@
 """Python-side argument checks and plumbing shared by the Triton and CUDA backends.
 
 Both kernel backends wrap their launches in the same validation: bit widths, group sizes, rounding and
-mode strings, caller-supplied ``out=`` buffers and the ``[k, bytes]`` chunk stacks of ops 2 and 3.  Keeping
+mode strings, caller-supplied ``out=`` buffers and the ``[k, bytes]`` chunk stacks of ops 2 and 3, gathered
+per op in the ``*_plan`` functions.  Device checks stay with each backend (the CUDA binding requires CUDA
+tensors; the Triton backend also runs CPU tensors under its interpreter).  Keeping
 one copy here means the two backends reject the same inputs with the same wording, which the tests (and
 users switching ``kernel_backend``) rely on.
 
@@ -144,6 +146,103 @@ def requant_plan(payloads: torch.Tensor, scales: torch.Tensor, in_bits: int, out
     stoch = check_rounding(rounding, key)
     payloads, scales, k, m = chunks(payloads, scales, in_bits, group_size)
     return payloads, scales, k, m, ogs, R.num_groups(m, ogs) * ogs, stoch
+
+
+def quantize_plan(x: torch.Tensor, bits: int, group_size: int, hadamard_size: Optional[int], rounding: str,
+                  key: Optional[int], swizzle: Optional[Tuple[int, int]]) -> Tuple[int, bool, int, int]:
+    """Op 1's argument checks, shared by both backends (``hadamard_quantize``'s arguments).
+
+    The Hadamard size itself is checked by each backend beforehand (their limits differ); here only that it
+    divides the group.  Returns ``(qmax, stochastic, rows, cols)`` with ``(rows, cols)`` from ``swizzle``,
+    ``(0, 0)`` without one.
+    """
+    check_float(x, "x")
+    qmax = check_bits(bits)
+    check_group_size(group_size, bits)
+    stoch = check_rounding(rounding, key)
+    if hadamard_size and group_size % hadamard_size:
+        raise ValueError(f"group_size {group_size} must be a multiple of hadamard_size {hadamard_size}")
+    n = x.numel()
+    if n % group_size:
+        raise ValueError(f"numel {n} must be a multiple of group_size {group_size}")
+    rows = cols = 0
+    if swizzle is not None:
+        rows, cols = (int(v) for v in swizzle)
+        if rows < 1 or cols < 1 or n % (rows * cols):
+            raise ValueError(f"numel {n} is not divisible into {rows}x{cols} segments (swizzle={swizzle})")
+    return qmax, stoch, rows, cols
+
+
+def inverse_plan(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                 hadamard_size: Optional[int], out_dtype: torch.dtype, out: Optional[torch.Tensor]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor]:
+    """Op 3's argument checks, shared by both backends (``dequant_sum_inverse_hadamard``'s arguments).
+
+    Returns ``(payloads, scales, k, m, out)``: the chunks as :func:`chunks` returns them, and the output:
+    ``out`` after checking it (float, at least m elements, on the chunks' device, contiguous; its first m
+    elements are written) or a new ``out_dtype`` [m] tensor.
+    """
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    payloads, scales, k, m = chunks(payloads, scales, bits, group_size)
+    if hadamard_size and m % hadamard_size:
+        raise ValueError(f"numel {m} is not a multiple of the hadamard size {hadamard_size}")
+    device = payloads.device
+    if out is None:
+        if out_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+        return payloads, scales, k, m, torch.empty(m, dtype=out_dtype, device=device)
+    check_float(out, "out")
+    if out.numel() < m:
+        raise ValueError(f"out has {out.numel()} elements, needs {m}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device}, expected {device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return payloads, scales, k, m, out
+
+
+def weight_delta_plan(master: torch.Tensor, replica: torch.Tensor, bits: int, group_size: int, rounding: str,
+                      key: Optional[int], mode: str) -> Tuple[int, bool, bool, int]:
+    """Op 4's argument checks, shared by both backends (``weight_delta_quantize``'s arguments).
+
+    Returns ``(qmax, stochastic, diff, ngroups)``; the last group is zero-padded.
+    """
+    check_float(master, "master")
+    check_float(replica, "replica")
+    qmax = check_bits(bits)
+    check_group_size(group_size, bits)
+    stoch = check_rounding(rounding, key)
+    diff = check_mode(mode)
+    if master.numel() != replica.numel():
+        raise ValueError(f"master has {master.numel()} elements but replica has {replica.numel()}")
+    if not replica.is_contiguous():
+        raise ValueError("replica must be contiguous (it is updated in place)")
+    return qmax, stoch, diff, R.num_groups(replica.numel(), group_size)
+
+
+def dequant_add_plan(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                     group_size: int, mode: str) -> bool:
+    """Op 5's argument checks, shared by both backends (``dequant_add_``'s arguments); True for 'diff'.
+
+    The payload must hold at least ``replica.numel()`` codes in whole groups, with one scale per group.
+    """
+    check_float(replica, "replica")
+    check_typed(payload, "payload", torch.uint8)
+    check_typed(scales, "scales", torch.float32)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    diff = check_mode(mode)
+    ncodes = payload.numel() * 8 // bits
+    n = replica.numel()
+    if ncodes < n:
+        raise ValueError(f"payload holds {ncodes} codes for a replica of {n}")
+    if ncodes % group_size or scales.numel() != ncodes // group_size:
+        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
+                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
+    if not replica.is_contiguous():
+        raise ValueError("replica must be contiguous (it is updated in place)")
+    return diff
 
 
 def backend_from(name: str, source: Any, probe: Callable[[torch.device], Tuple[bool, str]]) -> "_ops.Backend":

@@ -7,8 +7,8 @@ by the probe with its reason, so ``kernel_backend="auto"`` moves on to the next 
 
 The wrappers here have the reference signatures plus optional ``out=`` / ``out_scales=`` buffers (used in
 place, nothing allocated when given).  They run the checks shared with the Triton backend
-(:mod:`._common`: bit widths, group sizes, rounding/mode strings, ``out`` buffers, chunk shapes) and
-normalize arguments; the C++ binding checks every tensor again (device, dtype, contiguity, sizes) and the
+(:mod:`._common`'s per-op plans: dtypes, bit widths, group sizes, rounding/mode strings, ``out`` buffers,
+chunk shapes, swizzle and Hadamard divisibility) and normalize arguments; the C++ binding checks every tensor again (device, dtype, contiguity, sizes) and the
 kernel's group/Hadamard constraints, and launches on the current CUDA stream without synchronizing.  The
 binding returns its error messages and the wrappers raise them (``ValueError``; ``RuntimeError`` for a
 failed launch).
@@ -24,9 +24,8 @@ from typing import Optional, Tuple
 import torch
 
 from .. import ops as _ops
-from .. import reference as R
-from ._common import (FLOAT_DTYPES, backend_from, buffer, check_bits, check_group_size, check_mode, check_rounding,
-                      chunks, requant_plan)
+from ._common import (backend_from, buffer, dequant_add_plan, inverse_plan, quantize_plan, requant_plan,
+                      weight_delta_plan)
 
 __all__ = [
     "make_backend",
@@ -83,18 +82,11 @@ def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size
         out: optional uint8 [n*bits/8]; out_scales: optional float32 [n/group_size].
     Returns: payload uint8 [n*bits/8], scales float32 [n/group_size] (``out``/``out_scales`` when given).
     """
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    stoch = check_rounding(rounding, key)
+    _, stoch, rows, cols = quantize_plan(x, bits, group_size, hadamard_size, rounding, key, swizzle)
     xf = x.reshape(-1)
     if not xf.is_contiguous():
         xf = xf.contiguous()
     n = xf.numel()
-    rows = cols = 0
-    if swizzle is not None:
-        rows, cols = (int(v) for v in swizzle)
-        if rows < 1 or cols < 1:
-            raise ValueError(f"swizzle must be (rows >= 1, cols >= 1), got {swizzle}")
     payload = buffer(out, n * bits // 8, torch.uint8, x.device, "out")
     scales = buffer(out_scales, n // group_size, torch.float32, x.device, "out_scales")
     _launch("hadamard_quantize", xf, bits, int(group_size), _hadamard(hadamard_size), int(stoch),
@@ -138,16 +130,8 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
             replaces ``out_dtype``; its first m elements are written.
     Returns: ``out_dtype`` [m] (or ``out``).
     """
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    payloads, scales, _, m = chunks(payloads, scales, bits, group_size)
+    payloads, scales, _, _, out = inverse_plan(payloads, scales, bits, group_size, hadamard_size, out_dtype, out)
     payloads, scales = _dense(payloads, scales)
-    if out is None:
-        if out_dtype not in FLOAT_DTYPES:
-            raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
-        out = torch.empty(m, dtype=out_dtype, device=payloads.device)
-    elif not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     _launch("dequant_sum_inverse_hadamard", payloads, scales, bits, int(group_size), _hadamard(hadamard_size),
             float(post_scale), out)
     return out
@@ -166,20 +150,12 @@ def weight_delta_quantize(master: torch.Tensor, replica: torch.Tensor, bits: int
         out: optional uint8 [n_pad*bits/8]; out_scales: optional float32 [n_pad/group_size].
     Returns: payload uint8 [n_pad*bits/8], scales float32 [n_pad/group_size].
     """
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    stoch = check_rounding(rounding, key)
-    diff = check_mode(mode)
-    if not replica.is_contiguous():
-        raise ValueError("replica must be contiguous (it is updated in place)")
-    if master.numel() != replica.numel():
-        raise ValueError(f"master has {master.numel()} elements but replica has {replica.numel()}")
+    _, stoch, diff, ngroups = weight_delta_plan(master, replica, bits, group_size, rounding, key, mode)
     mf = master.reshape(-1)
     if mf.dtype in (torch.float16, torch.bfloat16):
         mf = mf.float()
     mf = mf.contiguous()
-    n = replica.numel()
-    n_pad = R.num_groups(n, group_size) * group_size
+    n_pad = ngroups * group_size
     payload = buffer(out, n_pad * bits // 8, torch.uint8, replica.device, "out")
     scales = buffer(out_scales, n_pad // group_size, torch.float32, replica.device, "out_scales")
     _launch("weight_delta_quantize", mf, replica.view(-1), bits, int(group_size), int(stoch), _key_u32(stoch, key),
@@ -195,11 +171,7 @@ def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Ten
         whole number of groups); scales float32 [n_pad/group_size].  ``mode='direct'``: ``cast(deq)``.
     Returns: ``replica``.
     """
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    diff = check_mode(mode)
-    if not replica.is_contiguous():
-        raise ValueError("replica must be contiguous (it is updated in place)")
+    diff = dequant_add_plan(replica, payload, scales, bits, group_size, mode)
     _launch("dequant_add_", replica.view(-1), payload.reshape(-1).contiguous(), scales.reshape(-1).contiguous(),
             bits, int(group_size), int(diff))
     return replica

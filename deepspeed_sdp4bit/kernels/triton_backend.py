@@ -45,6 +45,7 @@ Python cost per instruction, one program takes up to 32768 elements.  Group size
 size, rounding mode and dtypes are compile-time constants, so each configuration compiles once.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -53,8 +54,8 @@ import triton.language as tl
 
 from .. import ops as _ops
 from .. import reference as R
-from ._common import (FLOAT_DTYPES, backend_from, buffer, check_bits, check_float, check_group_size, check_mode,
-                      check_rounding, check_typed, chunks, requant_plan)
+from ._common import (backend_from, buffer, dequant_add_plan, inverse_plan, quantize_plan, requant_plan,
+                      weight_delta_plan)
 
 __all__ = [
     "make_backend",
@@ -472,7 +473,7 @@ def _quantize_store_rows(xs, out_ptr, scale_ptr, pid, blk0, r, rmask, nrows, key
         if ALIGNED:
             prow = prow ^ key_u32
     smask = rmask[:, None] & (tl.arange(0, 8 * BITS // 8) >= 0)[None, :]
-    keep = tl.where(valid_r, -1, 0)  # (PTX packing) all code bits kept, or none for an invalid group
+    keep = tl.where(valid_r, -1, 0).to(tl.int8)  # (PTX packing) a code's bits kept, or none (invalid group)
     for a in tl.static_range(A):
         # |y| <= qmax in a valid group (fitted reciprocal): codes need no clamp, and t is never subnormal
         y = xs[a] * inv_r
@@ -515,10 +516,12 @@ def _quantize_store_rows(xs, out_ptr, scale_ptr, pid, blk0, r, rmask, nrows, key
 # Triton exposes neither a round-down add nor byte permutes, and its own code for these steps costs ~9
 # instructions per element (rounding: three adds, a compare and a predicated correction; packing: byte
 # extraction, masking, selects).  Inline PTX does them in ~2.75 (8-bit) and, for decoding, in ~1.25 instead of
-# ~3.  ``pack=4`` hands 4 consecutive elements of a thread to one asm instance, with narrow (8/16-bit) values
-# packed into one 32-bit register: a row kernel's thread holds whole rows, so the 4 are consecutive elements of
-# one row (one group).  The interpreter (and non-NVIDIA builds) take the plain Triton code beside each call;
-# both give the same bits, and the tests run both (interpreter in CI, compiled on GPUs).
+# ~3.  ``pack=4`` hands 4 elements of a thread to one asm instance, with narrow (8/16-bit) values packed into
+# one 32-bit register, byte i for element i.  Which 4 depends on the layout Triton picks (with fewer rows than
+# threads they come from 4 different rows), so every input is per element: the group-validity mask is an int8
+# tensor, packed like the codes, and ANDed byte by byte.  The interpreter (and non-NVIDIA builds) take the
+# plain Triton code beside each call; both give the same bits, and the tests run both (interpreter in CI,
+# compiled on GPUs).
 @triton.jit
 def _ptx_floor_bits(t, STOCH: tl.constexpr):
     """Bits of RD(t + C) with C = 1.5*2**23 - 1 (STOCH: floor(t) - 1) or 1.5*2**23 (floor(t)): int32."""
@@ -531,8 +534,8 @@ def _ptx_floor_bits(t, STOCH: tl.constexpr):
 
 @triton.jit
 def _ptx_pack_bytes(c, keep):
-    """int8 codes from the low bytes of int32 ``c`` (same shape); ``keep`` (0 or -1, per element, equal within
-    a row) zeroes the codes of an invalid group.  Byte permutes: 3 per 4 codes."""
+    """int8 codes from the low bytes of int32 ``c``; ``keep`` (int8, 0 or -1 per element) zeroes the codes of
+    an invalid group.  Byte permutes: 3 per 4 codes."""
     return tl.inline_asm_elementwise(
         asm="""{
         .reg .b32 lo, hi, w;
@@ -541,7 +544,7 @@ def _ptx_pack_bytes(c, keep):
         prmt.b32 w, lo, hi, 0x5410;
         and.b32 $0, w, $5;
         }""",
-        constraints="=r,r,r,r,r,r,r,r,r", args=[c, keep], dtype=tl.int8, is_pure=True, pack=4)
+        constraints="=r,r,r,r,r,r", args=[c, keep], dtype=tl.int8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -562,7 +565,7 @@ def _ptx_pack_nibbles(lo, hi, keep):
         or.b32 w, ev, od;
         and.b32 $0, w, $9;
         }""",
-        constraints="=r,r,r,r,r,r,r,r,r,r,r,r,r", args=[lo, hi, keep], dtype=tl.uint8, is_pure=True, pack=4)
+        constraints="=r,r,r,r,r,r,r,r,r,r", args=[lo, hi, keep], dtype=tl.uint8, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -755,7 +758,10 @@ _INTERPRETED = is_interpreted()
 # ``_store_from_f32`` when a kernel compiles or, interpreted, runs: defining it here, after the kernels, is fine.)
 _NATIVE_BF16 = tl.constexpr(not _INTERPRETED)
 # Inline PTX in the row kernels (see ``_ptx_floor_bits``): compiled kernels on NVIDIA GPUs only.
-_PTX = tl.constexpr(not _INTERPRETED and torch.version.hip is None)
+# SDP4BIT_TRITON_PTX=0 (read at import) keeps the plain Triton code there too: a fallback should a Triton
+# release mishandle inline asm, and the A/B switch of the benchmarks.
+_PTX = tl.constexpr(not _INTERPRETED and torch.version.hip is None
+                    and os.environ.get("SDP4BIT_TRITON_PTX", "1") != "0")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -799,7 +805,9 @@ def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, 
     """``(R, GB, num_warps)`` for the row kernels with rows of ``b`` elements, or None when they do not apply.
 
     A group must be a power-of-two number GB of rows, and a program holds whole groups: R rows, one per thread
-    on GPUs (``_GPU_TILE // 32`` rows, more when a group is larger, up to 256 = 8 warps).
+    on GPUs (``_GPU_TILE // 32`` rows, more when a group is larger, up to 256 = 8 warps; never fewer than the 32
+    threads of a warp, so that a thread holds whole rows whatever the input size, which the inline PTX's packed
+    operands need: at least 4 elements per thread).
     """
     if b > _ROWS_MAX_B or group_size % b:
         return None
@@ -809,7 +817,7 @@ def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, 
     if _INTERPRETED:
         rows = max(gb, min(_pow2_at_least(nrows), max(1, _INTERP_TILE // b)))
         return rows, gb, 4
-    rows = max(gb, min(_pow2_at_least(nrows), max(32, _GPU_TILE // 32)))
+    rows = max(gb, 32, min(_pow2_at_least(nrows), _GPU_TILE // 32))
     if rows > 256:
         return None
     return rows, gb, max(1, rows // 32)
@@ -889,22 +897,12 @@ def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size
     Returns:
         payload uint8 [n*bits/8], scales float32 [n/group_size] (``out``/``out_scales`` when given).
     """
-    check_float(x, "x")
-    qmax = check_bits(bits)
-    check_group_size(group_size, bits)
-    stoch = check_rounding(rounding, key)
     log_h = _log_hadamard(hadamard_size)
-    if log_h and group_size % hadamard_size:
-        raise ValueError(f"group_size {group_size} must be a multiple of hadamard_size {hadamard_size}")
+    qmax, stoch, rows, cols = quantize_plan(x, bits, group_size, hadamard_size, rounding, key, swizzle)
     n = x.numel()
-    if n % group_size:
-        raise ValueError(f"numel {n} must be a multiple of group_size {group_size}")
-    rows = cols = seg = 1
-    if swizzle is not None:
-        rows, cols = (int(v) for v in swizzle)
-        if rows < 1 or cols < 1 or n % (rows * cols):
-            raise ValueError(f"numel {n} is not divisible into {rows}x{cols} segments (swizzle={swizzle})")
-        seg = n // (rows * cols)
+    if swizzle is None:
+        rows = cols = 1
+    seg = n // (rows * cols)
     device = x.device
     _check_device(device, out=out, out_scales=out_scales)
     ngroups = n // group_size
@@ -996,27 +994,9 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
             then replaces ``out_dtype`` and its first m elements are written (like the torch backend).
     Returns: ``out_dtype`` [m] (or ``out``).
     """
-    check_bits(bits)
-    check_group_size(group_size, bits)
     log_h = _log_hadamard(hadamard_size)
-    payloads, scales, k, m = chunks(payloads, scales, bits, group_size)
-    if log_h and m % hadamard_size:
-        raise ValueError(f"numel {m} is not a multiple of the hadamard size {hadamard_size}")
-    device = payloads.device
-    _check_device(device, scales=scales, out=out)
-    if out is not None:
-        check_float(out, "out")
-        if out.numel() < m:
-            raise ValueError(f"out has {out.numel()} elements, needs {m}")
-        if out.device != device:
-            raise ValueError(f"out is on {out.device}, expected {device}")
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
-        res = out
-    else:
-        if out_dtype not in FLOAT_DTYPES:
-            raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
-        res = torch.empty(m, dtype=out_dtype, device=device)
+    payloads, scales, k, m, res = inverse_plan(payloads, scales, bits, group_size, hadamard_size, out_dtype, out)
+    _check_device(payloads.device, scales=scales)
     if m == 0:
         return res
     factor = post_scale / hadamard_size if log_h else post_scale
@@ -1052,20 +1032,10 @@ def weight_delta_quantize(master: torch.Tensor, replica: torch.Tensor, bits: int
         out: optional uint8 [n_pad*bits/8]; out_scales: optional float32 [n_pad/group_size].
     Returns: payload uint8 [n_pad*bits/8], scales float32 [n_pad/group_size].
     """
-    check_float(master, "master")
-    check_float(replica, "replica")
-    qmax = check_bits(bits)
-    check_group_size(group_size, bits)
-    stoch = check_rounding(rounding, key)
-    diff = check_mode(mode)
-    if master.numel() != replica.numel():
-        raise ValueError(f"master has {master.numel()} elements but replica has {replica.numel()}")
-    if not replica.is_contiguous():
-        raise ValueError("replica must be contiguous (it is updated in place)")
+    qmax, stoch, diff, ngroups = weight_delta_plan(master, replica, bits, group_size, rounding, key, mode)
     device = replica.device
     _check_device(device, master=master, out=out, out_scales=out_scales)
     n = replica.numel()
-    ngroups = R.num_groups(n, group_size)
     payload = buffer(out, ngroups * group_size * bits // 8, torch.uint8, device, "out")
     scales = buffer(out_scales, ngroups, torch.float32, device, "out_scales")
     if ngroups == 0:
@@ -1088,21 +1058,8 @@ def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Ten
         a whole number of groups); scales float32 [n_pad/group_size].  ``mode='direct'``: ``cast(deq)``.
     Returns: ``replica``.
     """
-    check_float(replica, "replica")
-    check_typed(payload, "payload", torch.uint8)
-    check_typed(scales, "scales", torch.float32)
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    diff = check_mode(mode)
-    ncodes = payload.numel() * 8 // bits
+    diff = dequant_add_plan(replica, payload, scales, bits, group_size, mode)
     n = replica.numel()
-    if ncodes < n:
-        raise ValueError(f"payload holds {ncodes} codes for a replica of {n}")
-    if ncodes % group_size or scales.numel() != ncodes // group_size:
-        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
-                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
-    if not replica.is_contiguous():
-        raise ValueError("replica must be contiguous (it is updated in place)")
     device = replica.device
     _check_device(device, payload=payload, scales=scales)
     if n == 0:
