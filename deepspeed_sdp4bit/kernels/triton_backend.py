@@ -27,6 +27,11 @@ How bit-exactness with the reference is kept
   of counters.
 * bf16 is widened by a shift; compiled kernels narrow fp32 to bf16 with the GPU's round-to-nearest-even
   conversion, the interpreter (whose cast truncates) with integer rounding that matches torch, NaN included.
+* On NVIDIA GPUs the row kernels use inline PTX (``tl.inline_asm_elementwise``) for what Triton has no
+  operation for: the round-down add that gives ``floor`` in one instruction, byte permutes that pack codes
+  into bytes and (op 2) decode them, and bf16 widening two values at a time.  The interpreter and other backends run
+  plain Triton code for the same steps, with the same bits (``SDP4BIT_TRITON_PTX=0`` selects it on NVIDIA
+  GPUs too).
 
 Launch shape
 ------------
@@ -481,7 +486,7 @@ def _quantize_store_rows(xs, out_ptr, scale_ptr, pid, blk0, r, rmask, nrows, key
         # constant's bits (0 mod 256) need not be subtracted
         if STOCH:
             t = y + _rows_uniforms(prow, key_u32, ubits, a, R, ALIGNED)
-            if _PTX:
+            if _PTX_ROUND:
                 c = _ptx_floor_bits(t, True)  # RD(t + (M - 1)) = M + floor(t) - 1
             else:
                 # floor(t) - 1 = n - (n + 1 > t) with n = RN(t - 1) = mg - (M - 1), mg = RN(t + (M - 1))
@@ -490,7 +495,7 @@ def _quantize_store_rows(xs, out_ptr, scale_ptr, pid, blk0, r, rmask, nrows, key
                 c = tl.where(mg - (_MAGIC - 1.0) > t, c - 1, c)
         else:
             t = tl.abs(y) + 0.5  # sign(y) * floor(|y| + 0.5)
-            if _PTX:
+            if _PTX_ROUND:
                 c = _ptx_floor_bits(t, False)  # RD(t + M) = M + floor(t)
             else:
                 mg = t + _MAGIC
@@ -498,14 +503,14 @@ def _quantize_store_rows(xs, out_ptr, scale_ptr, pid, blk0, r, rmask, nrows, key
                 c = tl.where(mg - _MAGIC > t, c - 1, c)
             c = tl.where(y < 0.0, -c, c)  # -(M + n) keeps -n's low byte
         if BITS == 8:
-            if _PTX:
+            if _PTX_ROUND:
                 byte = _ptx_pack_bytes(c, keep)
             else:
                 byte = tl.where(valid_r, c, 0).to(tl.int8)
             tl.store(out_ptr + (r[:, None] * B + (a * 8 + tl.arange(0, 8))[None, :]), byte, mask=smask)
         else:
             lo, hi = tl.split(tl.reshape(c, [R, 4, 2]))
-            if _PTX:
+            if _PTX_ROUND:
                 byte = _ptx_pack_nibbles(lo, hi, keep)
             else:
                 byte = tl.where(valid_r, (lo & 0xF) | ((hi & 0xF) << 4), 0).to(tl.uint8)
@@ -619,7 +624,7 @@ def _ptx_widen_bf16(bits):
 
 
 @triton.jit
-def _decode_slab(p_ptr, r, a, rmask, R: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr):
+def _decode_slab(p_ptr, r, a, rmask, R: tl.constexpr, B: tl.constexpr, BITS: tl.constexpr, PTX: tl.constexpr):
     """fp32 codes [R, 8] of slab ``a`` of rows ``r`` (B elements each) from a payload row at ``p_ptr``.
 
     The code's two's complement, sign bit flipped, goes under the exponent of 2**23: no int->float convert.
@@ -627,7 +632,7 @@ def _decode_slab(p_ptr, r, a, rmask, R: tl.constexpr, B: tl.constexpr, BITS: tl.
     if BITS == 8:
         col = (a * 8 + tl.arange(0, 8))[None, :]
         b = tl.load(p_ptr + (r[:, None] * B + col), mask=rmask[:, None] & (col >= 0), other=0)
-        if _PTX:
+        if PTX:
             mb = _ptx_decode_bytes(b)
         else:
             # (b ^ 0x80) | 0x4B000000 as one XOR: the zero-extended byte does not reach the exponent bits
@@ -636,7 +641,7 @@ def _decode_slab(p_ptr, r, a, rmask, R: tl.constexpr, B: tl.constexpr, BITS: tl.
     else:
         col = (a * 4 + tl.arange(0, 4))[None, :]
         b = tl.load(p_ptr + (r[:, None] * (B // 2) + col), mask=rmask[:, None] & (col >= 0), other=0)
-        if _PTX:
+        if PTX:
             lb, hb = _ptx_decode_nibbles(b)
         else:
             lb = (b.to(tl.int32) & 0xF) ^ 0x4B000008
@@ -649,7 +654,7 @@ def _decode_slab(p_ptr, r, a, rmask, R: tl.constexpr, B: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R: tl.constexpr, A: tl.constexpr,
-                      IN_GS: tl.constexpr, IN_BITS: tl.constexpr):
+                      IN_GS: tl.constexpr, IN_BITS: tl.constexpr, PTX_DECODE: tl.constexpr):
     """Rows ``blk0 + r`` of the fp32 sum ``d_0 + d_1 + ...`` over k chunks, as a tuple of A [R, 8] slabs.
 
     Row i covers chunk elements ``i*B .. i*B + B-1`` (B = 8A divides IN_GS); rows outside ``rmask`` are 0.
@@ -660,7 +665,7 @@ def _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R: tl
     s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
     acc = ()
     for a in tl.static_range(A):
-        acc = acc + (_decode_slab(p_ptr, r, a, rmask, R, B, IN_BITS) * s,)
+        acc = acc + (_decode_slab(p_ptr, r, a, rmask, R, B, IN_BITS, PTX_DECODE) * s,)
     for _ in range(1, k):
         # advance the row pointers step by step: no 32-bit j * stride product that could overflow
         p_ptr += p_stride
@@ -668,7 +673,7 @@ def _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R: tl
         s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
         nxt = ()
         for a in tl.static_range(A):
-            nxt = nxt + (acc[a] + _decode_slab(p_ptr, r, a, rmask, R, B, IN_BITS) * s,)
+            nxt = nxt + (acc[a] + _decode_slab(p_ptr, r, a, rmask, R, B, IN_BITS, PTX_DECODE) * s,)
         acc = nxt
     return acc
 
@@ -698,7 +703,7 @@ def _hadamard_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, nrows, rows, cols,
     mask = rmask[:, None] & (col >= 0)
     xs = ()
     for a in tl.static_range(A):
-        if IN_KIND == 2 and _PTX:
+        if IN_KIND == 2 and _PTX_WIDEN:
             xs = xs + (_ptx_widen_bf16(tl.load(xp + (col + a * 8), mask=mask, other=0)),)
         else:
             xs = xs + (_load_f32(xp + (col + a * 8), mask, IN_KIND),)
@@ -719,7 +724,7 @@ def _dequant_sum_requant_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, in_row
     blk0 = pid.to(tl.int64) * R
     r = tl.arange(0, R)
     xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, blk0 + r < in_rows, R, A, IN_GS,
-                           IN_BITS)
+                           IN_BITS, _PTX_DECODE)
     _quantize_store_rows(xs, out_ptr + blk0 * (B * BITS // 8), oscale_ptr, pid, blk0, r, blk0 + r < nrows,
                          nrows, key, offset, ubits, R, A, GB, BITS, QMAX, STOCH, ALIGNED)
 
@@ -734,7 +739,9 @@ def _dequant_sum_inverse_hadamard_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, 
     blk0 = tl.program_id(0).to(tl.int64) * R
     r = tl.arange(0, R)
     rmask = blk0 + r < nrows
-    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS)
+    # Plain decoding: with the PTX decoding (fewer instructions in the SASS) this kernel ran slower on an H200,
+    # 68% instead of 83% of copy bandwidth at 2 GiB (benchmarks/results, A/B of the PTX steps); op 2 gains.
+    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS, False)
     if HAD:
         xs = _butterfly_rows(xs, R, A, LOG_A)
     col = tl.arange(0, 8)[None, :]
@@ -762,6 +769,10 @@ _NATIVE_BF16 = tl.constexpr(not _INTERPRETED)
 # release mishandle inline asm, and the A/B switch of the benchmarks.
 _PTX = tl.constexpr(not _INTERPRETED and torch.version.hip is None
                     and os.environ.get("SDP4BIT_TRITON_PTX", "1") != "0")
+# Each PTX step on its own (benchmarks/ab_triton_ptx.py switches them off one at a time):
+_PTX_ROUND = _PTX  # round-down adds and code packing (ops 1, 2)
+_PTX_DECODE = _PTX  # code decoding (op 2; op 3 keeps the plain code)
+_PTX_WIDEN = _PTX  # bf16 widening (op 1)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,32 @@
+"""A/B of the Triton row kernels' inline-PTX steps (``triton_backend._PTX_ROUND``, ``_PTX_DECODE``,
+``_PTX_WIDEN``): switch the named ones off, then run ``bench_kernels.py`` with the remaining arguments.
+
+    python benchmarks/ab_triton_ptx.py _PTX_DECODE --out ab.json --sizes-mb 128,2048 --backends triton \
+        --no-deepspeed
+
+The first argument is a comma-separated list of those names ("" or "none": all steps on).  They are
+compile-time constants read when a kernel first compiles, so they are set before any kernel runs; the plain
+Triton code replaces each switched-off step with the same bits.
+"""
+import os
+import sys
+
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from deepspeed_sdp4bit.kernels import triton_backend as T  # noqa: E402
+
+import bench_kernels  # noqa: E402
+
+STEPS = ("_PTX_ROUND", "_PTX_DECODE", "_PTX_WIDEN")
+
+if __name__ == "__main__":
+    off = [s for s in sys.argv[1].split(",") if s and s != "none"]
+    bad = [s for s in off if s not in STEPS]
+    if bad:
+        sys.exit(f"unknown step(s) {bad}; choose from {STEPS}")
+    for name in off:
+        setattr(T, name, tl.constexpr(False))
+    print(f"PTX steps off: {off or 'none'}; on: {[s for s in STEPS if s not in off and bool(getattr(T, s))]}")
+    bench_kernels.main(sys.argv[2:])
