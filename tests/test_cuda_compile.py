@@ -1,6 +1,6 @@
 """CPU-runnable checks of the CUDA build: every .cu compiles with nvcc, and the op builder / source locator work.
 
-The kernels (csrc/*.cu) include only CUDA headers, so they compile without a CUDA build of torch.  The torch
+The kernels (csrc/*.cu) and the micro-benchmarks (benchmarks/micro/*.cu) include only CUDA headers, so they compile without a CUDA build of torch.  The torch
 binding (csrc/sdp4bit_bindings.cpp) needs torch's CUDA headers, which the CPU torch wheel does not ship
 complete (no c10/cuda/impl/cuda_cmake_macros.h); it is syntax-checked only where they are present.
 """
@@ -32,6 +32,8 @@ def _nvcc():
 
 
 CU_FILES = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+# the benchmarks' standalone CUDA programs (no torch): compiled too, so that every .cu in the tree builds
+MICRO_CU_FILES = sorted(glob.glob(os.path.join(REPO, "benchmarks", "micro", "*.cu")))
 
 
 def test_there_are_cuda_sources():
@@ -39,7 +41,8 @@ def test_there_are_cuda_sources():
 
 
 def test_cu_files_compile_for_sm90(tmp_path):
-    """Every csrc/*.cu compiles to an sm_90 object (in parallel: the kernel templates take a while)."""
+    """Every csrc/*.cu and benchmarks/micro/*.cu compiles to an sm_90 object (in parallel: the kernel templates
+    take a while)."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (not on PATH, nor under $CUDA_HOME/bin or /usr/local/cuda/bin)")
@@ -52,7 +55,7 @@ def test_cu_files_compile_for_sm90(tmp_path):
         return path, ok, f"{' '.join(cmd)} failed:\n{res.stdout}\n{res.stderr}"
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(CU_FILES), os.cpu_count() or 1))) as pool:
-        results = list(pool.map(compile_one, CU_FILES))
+        results = list(pool.map(compile_one, CU_FILES + MICRO_CU_FILES))
     failed = [msg for _, ok, msg in results if not ok]
     assert not failed, "\n\n".join(failed)
 
