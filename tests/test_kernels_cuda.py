@@ -349,31 +349,71 @@ def test_dequant_add_misaligned_and_arbitrary_bytes(cb):
 # ----------------------------------------------------------------------------------------------------------
 # plumbing: streams, no allocation with out buffers, no host synchronization, dispatch
 # ----------------------------------------------------------------------------------------------------------
-def test_side_stream_no_sync_no_alloc(cb):
-    group, n = 128, 128 * 64
+@pytest.mark.parametrize("name", ["cuda", "triton"])
+def test_side_stream_no_sync_no_alloc(cb, name):
+    """All five ops of both compiled backends with ``out`` buffers, on a side stream: results right, no host
+    synchronization (sync debug mode "error" raises on one), no device memory allocated."""
+    if name == "triton":
+        b = ops.get_backend("triton", "cuda")
+        ok, why = b.available(torch.device("cuda"))
+        if not ok:
+            pytest.skip(f"triton backend unavailable: {why}")
+    else:
+        b = cb
+    group, n, k, key = 128, 128 * 64, 4, R.make_key(1, 2, 3)
     x = make_data("heavy", n, group, seed=2).to(torch.bfloat16)
-    key = R.make_key(1, 2, 3)
-    p_ref, s_ref = R.hadamard_quantize(x, 8, group, 32, "stochastic", key, 0)
-    xc = x.cuda()
-    out = torch.empty(n, dtype=torch.uint8, device="cuda")
-    out_s = torch.empty(n // group, device="cuda")
-    cb.hadamard_quantize(xc, 8, group, 32, "stochastic", key, 0, out=out, out_scales=out_s)  # build/warm
+    p1, s1 = R.hadamard_quantize(x, 8, group, 32, "stochastic", key, 0)
+    chunks = [R.hadamard_quantize(make_data("randn", n, group, seed=10 + j), 8, group, 32) for j in range(k)]
+    pay, sc = torch.stack([c[0] for c in chunks]), torch.stack([c[1] for c in chunks])
+    p2, s2 = R.dequant_sum_requant(pay, sc, 8, 4, group, "stochastic", key, 0)
+    y3 = R.dequant_sum_inverse_hadamard(pay[:2], sc[:2], 8, group, 32, torch.bfloat16, 0.5)
+    master = make_data("randn", n, group, seed=3)
+    replica = (master + 0.01).to(torch.bfloat16)
+    p4, s4 = R.weight_delta_quantize(master, replica.clone(), 4, 2048, "nearest", None, 0)
+    rep4 = replica.clone()
+    R.weight_delta_quantize(master, rep4, 4, 2048, "nearest", None, 0)
+    rep5 = R.dequant_add_(replica.clone(), p4, s4, 4, 2048)
+
+    dev = {"x": x.cuda(), "pay": pay.cuda(), "sc": sc.cuda(), "master": master.cuda(), "p4": p4.cuda(),
+           "s4": s4.cuda()}
+    outs = {"p1": torch.empty(n, dtype=torch.uint8, device="cuda"), "s1": torch.empty(n // group, device="cuda"),
+            "p2": torch.empty(n // 2, dtype=torch.uint8, device="cuda"), "s2": torch.empty(n // group, device="cuda"),
+            "y3": torch.empty(n, dtype=torch.bfloat16, device="cuda"),
+            "p4": torch.empty(n // 2, dtype=torch.uint8, device="cuda"), "s4": torch.empty(n // 2048, device="cuda")}
+
+    def run_all(rep4_buf, rep5_buf):
+        b.hadamard_quantize(dev["x"], 8, group, 32, "stochastic", key, 0, out=outs["p1"], out_scales=outs["s1"])
+        b.dequant_sum_requant(dev["pay"], dev["sc"], 8, 4, group, "stochastic", key, 0, out=outs["p2"],
+                              out_scales=outs["s2"])
+        b.dequant_sum_inverse_hadamard(dev["pay"][:2], dev["sc"][:2], 8, group, 32, post_scale=0.5, out=outs["y3"])
+        b.weight_delta_quantize(dev["master"], rep4_buf, 4, 2048, "nearest", None, 0, out=outs["p4"],
+                                out_scales=outs["s4"])
+        b.dequant_add_(rep5_buf, dev["p4"], dev["s4"], 4, 2048)
+
+    run_all(replica.cuda(), replica.cuda())  # build / compile / warm up
     torch.cuda.synchronize()
-    out.fill_(POISON)
+    rep4_buf, rep5_buf = replica.cuda(), replica.cuda()
+    for t in outs.values():
+        t.fill_(POISON if t.dtype == torch.uint8 else FPOISON)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    torch.cuda.set_sync_debug_mode("error")  # any host synchronization inside the op raises
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronization inside the ops raises
     try:
         with torch.cuda.stream(side):
-            cb.hadamard_quantize(xc, 8, group, 32, "stochastic", key, 0, out=out, out_scales=out_s)
+            run_all(rep4_buf, rep5_buf)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert torch.cuda.max_memory_allocated() == before, "the op allocated device memory despite out buffers"
+    assert torch.cuda.max_memory_allocated() == before, f"{name}: the ops allocated device memory despite out buffers"
     side.synchronize()
-    assert_same(out, p_ref, "payload on a side stream")
-    assert_same(out_s, s_ref, "scales on a side stream")
+    for got, want, what in ((outs["p1"], p1, "op1 payload"), (outs["s1"], s1, "op1 scales"),
+                            (outs["p2"], p2, "op2 payload"), (outs["s2"], s2, "op2 scales"),
+                            (outs["y3"], y3, "op3 output"), (outs["p4"], p4, "op4 payload"),
+                            (outs["s4"], s4, "op4 scales"), (rep4_buf, rep4, "op4 replica"),
+                            (rep5_buf, rep5, "op5 replica")):
+        assert_same(got, want, f"{name} {what} on a side stream")
 
 
 def test_auto_backend_picks_cuda(cb):
