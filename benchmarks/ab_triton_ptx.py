@@ -1,5 +1,6 @@
-"""A/B of the Triton row kernels' inline-PTX steps (``triton_backend._PTX_ROUND``, ``_PTX_DECODE``,
-``_PTX_WIDEN``): switch the named ones off, then run ``bench_kernels.py`` with the remaining arguments.
+"""A/B of the Triton row kernels' inline-PTX steps (``triton_backend._PTX_ROUND``: rounding and packing in ops 1
+and 2; ``_PTX_DECODE``: decoding in op 2; ``_PTX_WIDEN``: bf16 widening in op 1): switch the named ones off, then
+run ``bench_kernels.py`` with the remaining arguments.
 
     python benchmarks/ab_triton_ptx.py _PTX_DECODE --out ab.json --sizes-mb 128,2048 --backends triton \
         --no-deepspeed

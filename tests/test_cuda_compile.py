@@ -1,8 +1,9 @@
 """CPU-runnable checks of the CUDA build: every .cu compiles with nvcc, and the op builder / source locator work.
 
-The kernels (csrc/*.cu) and the micro-benchmarks (benchmarks/micro/*.cu) include only CUDA headers, so they compile without a CUDA build of torch.  The torch
-binding (csrc/sdp4bit_bindings.cpp) needs torch's CUDA headers, which the CPU torch wheel does not ship
-complete (no c10/cuda/impl/cuda_cmake_macros.h); it is syntax-checked only where they are present.
+The kernels (csrc/*.cu) and the micro-benchmarks (benchmarks/micro/*.cu) include only CUDA headers, so they
+compile without a CUDA build of torch. The torch binding (csrc/sdp4bit_bindings.cpp) needs torch's CUDA headers,
+which the CPU torch wheel does not ship complete (no c10/cuda/impl/cuda_cmake_macros.h); it is syntax-checked
+only where they are present.
 """
 
 from __future__ import annotations

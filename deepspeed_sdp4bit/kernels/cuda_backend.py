@@ -5,13 +5,13 @@ The extension is JIT-built through DeepSpeed's op builder (``op_builder/sdp4bit.
 :mod:`deepspeed_sdp4bit._native`) the first time the probe or an op needs it; a failed build is reported
 by the probe with its reason, so ``kernel_backend="auto"`` moves on to the next backend.
 
-The wrappers here have the reference signatures plus optional ``out=`` / ``out_scales=`` buffers (used in
-place, nothing allocated when given).  They run the checks shared with the Triton backend
-(:mod:`._common`'s per-op plans: dtypes, bit widths, group sizes, rounding/mode strings, ``out`` buffers,
-chunk shapes, swizzle and Hadamard divisibility) and normalize arguments; the C++ binding checks every tensor again (device, dtype, contiguity, sizes) and the
-kernel's group/Hadamard constraints, and launches on the current CUDA stream without synchronizing.  The
-binding returns its error messages and the wrappers raise them (``ValueError``; ``RuntimeError`` for a
-failed launch).
+The wrappers here have the reference signatures plus optional ``out=`` / ``out_scales=`` buffers (used in place,
+nothing allocated when given). They run the checks shared with the Triton backend (:mod:`._common`'s per-op
+plans: dtypes, bit widths, group sizes, rounding/mode strings, ``out`` buffers, chunk shapes, swizzle and
+Hadamard divisibility) and normalize arguments; the C++ binding checks every tensor again (device, dtype,
+contiguity, sizes) and the kernel's group/Hadamard constraints, and launches on the current CUDA stream without
+synchronizing. The binding returns its error messages and the wrappers raise them (``ValueError``;
+``RuntimeError`` for a failed launch).
 
 Kernel limits beyond the reference: group sizes must be multiples of 8 and Hadamard sizes powers of two in
 8..256 (the config allows group sizes that are multiples of 32 and Hadamard sizes 32..256).

@@ -27,11 +27,10 @@ How bit-exactness with the reference is kept
   of counters.
 * bf16 is widened by a shift; compiled kernels narrow fp32 to bf16 with the GPU's round-to-nearest-even
   conversion, the interpreter (whose cast truncates) with integer rounding that matches torch, NaN included.
-* On NVIDIA GPUs the row kernels use inline PTX (``tl.inline_asm_elementwise``) for what Triton has no
-  operation for: the round-down add that gives ``floor`` in one instruction, byte permutes that pack codes
-  into bytes and (op 2) decode them, and bf16 widening two values at a time.  The interpreter and other backends run
-  plain Triton code for the same steps, with the same bits (``SDP4BIT_TRITON_PTX=0`` selects it on NVIDIA
-  GPUs too).
+* On NVIDIA GPUs the row kernels use inline PTX (``tl.inline_asm_elementwise``) for what Triton has no operation
+  for: the round-down add that gives ``floor`` in one instruction, byte permutes that pack codes into bytes and
+  (op 2) decode them, and bf16 widening two values at a time. The interpreter and other backends run plain
+  Triton code for the same steps, with the same bits (``SDP4BIT_TRITON_PTX=0`` selects it on NVIDIA GPUs too).
 
 Launch shape
 ------------
