@@ -1,13 +1,14 @@
-"""A/B of the Triton row kernels' inline-PTX steps (``triton_backend._PTX_ROUND``: rounding and packing in ops 1
-and 2; ``_PTX_DECODE``: decoding in op 2; ``_PTX_WIDEN``: bf16 widening in op 1): switch the named ones off, then
-run ``bench_kernels.py`` with the remaining arguments.
+"""A/B of the Triton row kernels' optional steps: the inline PTX (``triton_backend._PTX_ROUND``: rounding and
+packing in ops 1 and 2; ``_PTX_DECODE``: decoding in op 2; ``_PTX_WIDEN``: bf16 widening in op 1) and the
+unrolled chunk loop of ops 2 and 3 (``_UNROLL_CHUNKS``). Switch the named ones off, then run ``bench_kernels.py``
+with the remaining arguments.
 
     python benchmarks/ab_triton_ptx.py _PTX_DECODE --out ab.json --sizes-mb 128,2048 --backends triton \
         --no-deepspeed
 
-The first argument is a comma-separated list of those names ("" or "none": all steps on).  They are
-compile-time constants read when a kernel first compiles, so they are set before any kernel runs; the plain
-Triton code replaces each switched-off step with the same bits.
+The first argument is a comma-separated list of those names ("" or "none": all steps on). They are read when a
+kernel first compiles or launches, so they are set before any kernel runs; each switched-off step is replaced by
+plain Triton code (or the run-time loop) with the same bits.
 """
 import os
 import sys
@@ -20,7 +21,7 @@ from deepspeed_sdp4bit.kernels import triton_backend as T  # noqa: E402
 
 import bench_kernels  # noqa: E402
 
-STEPS = ("_PTX_ROUND", "_PTX_DECODE", "_PTX_WIDEN")
+STEPS = ("_PTX_ROUND", "_PTX_DECODE", "_PTX_WIDEN", "_UNROLL_CHUNKS")
 
 if __name__ == "__main__":
     off = [s for s in sys.argv[1].split(",") if s and s != "none"]
@@ -29,5 +30,5 @@ if __name__ == "__main__":
         sys.exit(f"unknown step(s) {bad}; choose from {STEPS}")
     for name in off:
         setattr(T, name, tl.constexpr(False))
-    print(f"PTX steps off: {off or 'none'}; on: {[s for s in STEPS if s not in off and bool(getattr(T, s))]}")
+    print(f"steps off: {off or 'none'}; on: {[s for s in STEPS if s not in off and bool(getattr(T, s))]}")
     bench_kernels.main(sys.argv[2:])

@@ -652,28 +652,49 @@ def _decode_slab(p_ptr, r, a, rmask, R: tl.constexpr, B: tl.constexpr, BITS: tl.
 
 
 @triton.jit
+def _chunk_terms(p_ptr, s_ptr, sg, r, rmask, R: tl.constexpr, A: tl.constexpr, IN_BITS: tl.constexpr,
+                 PTX_DECODE: tl.constexpr):
+    """One chunk's dequantized rows ``code * scale`` (tuple of A [R, 8] slabs); ``sg``: each row's scale index."""
+    s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
+    d = ()
+    for a in tl.static_range(A):
+        d = d + (_decode_slab(p_ptr, r, a, rmask, R, A * 8, IN_BITS, PTX_DECODE) * s,)
+    return d
+
+
+@triton.jit
+def _add_rows(acc, d, A: tl.constexpr):
+    """acc + d, slab by slab (tuples of A slabs): one rounded add per element, in chunk order."""
+    out = ()
+    for a in tl.static_range(A):
+        out = out + (acc[a] + d[a],)
+    return out
+
+
+@triton.jit
 def _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R: tl.constexpr, A: tl.constexpr,
-                      IN_GS: tl.constexpr, IN_BITS: tl.constexpr, PTX_DECODE: tl.constexpr):
+                      IN_GS: tl.constexpr, IN_BITS: tl.constexpr, PTX_DECODE: tl.constexpr, K: tl.constexpr):
     """Rows ``blk0 + r`` of the fp32 sum ``d_0 + d_1 + ...`` over k chunks, as a tuple of A [R, 8] slabs.
 
     Row i covers chunk elements ``i*B .. i*B + B-1`` (B = 8A divides IN_GS); rows outside ``rmask`` are 0.
+    K > 0: k == K is a compile-time count and the chunk loop is unrolled, so that every chunk's loads can be in
+    flight at once; K == 0: a loop over the run-time k.
     """
     B: tl.constexpr = A * 8
     p_ptr += blk0 * (B * IN_BITS // 8)
     sg = (blk0 + r) * B // IN_GS  # each row's input scale
-    s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
-    acc = ()
-    for a in tl.static_range(A):
-        acc = acc + (_decode_slab(p_ptr, r, a, rmask, R, B, IN_BITS, PTX_DECODE) * s,)
-    for _ in range(1, k):
-        # advance the row pointers step by step: no 32-bit j * stride product that could overflow
-        p_ptr += p_stride
-        s_ptr += s_stride
-        s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
-        nxt = ()
-        for a in tl.static_range(A):
-            nxt = nxt + (acc[a] + _decode_slab(p_ptr, r, a, rmask, R, B, IN_BITS, PTX_DECODE) * s,)
-        acc = nxt
+    acc = _chunk_terms(p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE)
+    # the row pointers advance step by step: no 32-bit j * stride product that could overflow
+    if K > 0:
+        for _ in tl.static_range(1, K):
+            p_ptr += p_stride
+            s_ptr += s_stride
+            acc = _add_rows(acc, _chunk_terms(p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE), A)
+    else:
+        for _ in range(1, k):
+            p_ptr += p_stride
+            s_ptr += s_stride
+            acc = _add_rows(acc, _chunk_terms(p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE), A)
     return acc
 
 
@@ -716,14 +737,15 @@ def _hadamard_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, nrows, rows, cols,
 def _dequant_sum_requant_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, in_rows, out_ptr, oscale_ptr, nrows,
                                      key, offset, ubits, A: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
                                      IN_GS: tl.constexpr, IN_BITS: tl.constexpr, BITS: tl.constexpr,
-                                     QMAX: tl.constexpr, STOCH: tl.constexpr, ALIGNED: tl.constexpr):
+                                     QMAX: tl.constexpr, STOCH: tl.constexpr, ALIGNED: tl.constexpr,
+                                     K: tl.constexpr):
     """Op 2 on R rows of B = 8A elements per program; rows at and past ``in_rows`` are the zero padding."""
     B: tl.constexpr = A * 8
     pid = tl.program_id(0)
     blk0 = pid.to(tl.int64) * R
     r = tl.arange(0, R)
     xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, blk0 + r < in_rows, R, A, IN_GS,
-                           IN_BITS, _PTX_DECODE)
+                           IN_BITS, _PTX_DECODE, K)
     _quantize_store_rows(xs, out_ptr + blk0 * (B * BITS // 8), oscale_ptr, pid, blk0, r, blk0 + r < nrows,
                          nrows, key, offset, ubits, R, A, GB, BITS, QMAX, STOCH, ALIGNED)
 
@@ -732,7 +754,7 @@ def _dequant_sum_requant_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, in_row
 def _dequant_sum_inverse_hadamard_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, nrows, out_ptr, factor,
                                               A: tl.constexpr, LOG_A: tl.constexpr, R: tl.constexpr,
                                               IN_GS: tl.constexpr, IN_BITS: tl.constexpr, HAD: tl.constexpr,
-                                              OUT_KIND: tl.constexpr):
+                                              OUT_KIND: tl.constexpr, K: tl.constexpr):
     """Op 3 on R rows of B = 8A elements per program: sum, butterfly, * factor, cast, store."""
     B: tl.constexpr = A * 8
     blk0 = tl.program_id(0).to(tl.int64) * R
@@ -740,7 +762,7 @@ def _dequant_sum_inverse_hadamard_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, 
     rmask = blk0 + r < nrows
     # Plain decoding: with the PTX decoding (fewer instructions in the SASS) this kernel ran slower on an H200,
     # 68% instead of 83% of copy bandwidth at 2 GiB (benchmarks/results, A/B of the PTX steps); op 2 gains.
-    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS, False)
+    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS, False, K)
     if HAD:
         xs = _butterfly_rows(xs, R, A, LOG_A)
     col = tl.arange(0, 8)[None, :]
@@ -831,6 +853,18 @@ def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, 
     if rows > 256:
         return None
     return rows, gb, max(1, rows // 32)
+
+
+# The row kernels of ops 2 and 3 unroll the loop over the k received chunks when k is at most this (the GPUs of a
+# node, or the nodes): one compiled kernel per k, with every chunk's loads issued before the sums.  False: the
+# run-time loop for every k (an A/B switch of benchmarks/ab_triton_ptx.py).
+_UNROLL_CHUNKS = True
+_MAX_UNROLLED_CHUNKS = 8
+
+
+def _unrolled_chunks(k: int) -> int:
+    """The row kernels' compile-time chunk count K for k chunks, 0 for the run-time loop."""
+    return int(k) if _UNROLL_CHUNKS and 1 <= k <= _MAX_UNROLLED_CHUNKS else 0
 
 
 def _pairs_fit(stoch: bool, offset: int, count: int) -> bool:
@@ -978,7 +1012,8 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
                 in_view, payloads.stride(0), scales, scales.stride(0), k, m // 32, _code_view(payload, out_bits),
                 oscales.view(-1), m_pad // 32, _key_i32(key), int(offset), _UBITS, num_warps=nw,
                 A=4, R=rows_pp, GB=gb, IN_GS=group_size, IN_BITS=in_bits, BITS=out_bits,
-                QMAX=R.qmax_for_bits(out_bits), STOCH=stoch, ALIGNED=stoch and int(offset) % 32 == 0)
+                QMAX=R.qmax_for_bits(out_bits), STOCH=stoch, ALIGNED=stoch and int(offset) % 32 == 0,
+                K=_unrolled_chunks(k))
         return payload, oscales
     block_g, gpp = _groups_per_program(ogs, ngroups)
     _launch(_dequant_sum_requant_kernel, (triton.cdiv(ngroups, gpp),),
@@ -1019,7 +1054,7 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
         _launch(_dequant_sum_inverse_hadamard_rows_kernel, (triton.cdiv(m // b, rows_pp),),
                 in_view, payloads.stride(0), scales, scales.stride(0), k, m // b, _float_view(res), factor32,
                 num_warps=nw, A=b // 8, LOG_A=(b // 8).bit_length() - 1, R=rows_pp, IN_GS=group_size,
-                IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype])
+                IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype], K=_unrolled_chunks(k))
         return res
     block = _elements_per_program(m, hadamard_size or 1)
     _launch(_dequant_sum_inverse_hadamard_kernel, (triton.cdiv(m, block),),
