@@ -1,0 +1,78 @@
+"""Ops 2 and 3 against the number of received chunks k (the GPUs of a node, or the nodes), per backend.
+
+bench_kernels.py times k = 4 (op 2) and k = 2 (op 3); the collectives see k = GPUs per node (up to 8) and k =
+nodes.  This sweeps k at a fixed input size with the same timing (CUDA graphs, input sets rotated past the L2):
+
+    python benchmarks/bench_chunk_counts.py --size-mb 512 --ks 2,4,8,9 --backends cuda,triton
+
+Op 2: k chunks of 8-bit g128 codes -> 4-bit g128 stochastic (as in bench_kernels.py); op 3: k chunks of 4-bit
+g128 codes -> bf16 with Hadamard 32.  The input size counts all k chunks, so each k moves the same bytes.
+Prints GB/s of logical bytes and % of the elementwise copy of the same size.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_kernels as B  # noqa: E402
+from deepspeed_sdp4bit import reference as R  # noqa: E402
+
+G = 128
+
+
+def cases(size: int, k: int):
+    key = R.make_key(7, 1)
+    m2 = size // k // G * G  # op 2: 8-bit codes, 1 byte per element
+    m3 = size * 2 // k // G * G  # op 3: 4-bit codes, half a byte per element
+
+    def make2():
+        return {"p": B.rand_payload(k, m2), "s": B.rand_scales(k, m2 // G),
+                "out": torch.empty(m2 // 2, dtype=torch.uint8, device="cuda"),
+                "os": torch.empty(m2 // G, device="cuda")}
+
+    def make3():
+        return {"p": B.rand_payload(k, m3 // 2), "s": B.rand_scales(k, m3 // G),
+                "out": torch.empty(m3, dtype=torch.bfloat16, device="cuda")}
+
+    return [
+        ("dequant_sum_requant", make2, k * m2 + k * (m2 // G) * 4, m2 // 2 + m2 // G * 4,
+         lambda b, d: b.dequant_sum_requant(d["p"], d["s"], 8, 4, G, "stochastic", key, out=d["out"],
+                                            out_scales=d["os"])),
+        ("dequant_sum_inverse_hadamard", make3, k * m3 // 2 + k * (m3 // G) * 4, m3 * 2,
+         lambda b, d: b.dequant_sum_inverse_hadamard(d["p"], d["s"], 4, G, 32, out=d["out"])),
+    ]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-mb", type=int, default=512, help="input MiB (all chunks together)")
+    ap.add_argument("--ks", default="2,4,8,9", help="chunk counts, comma separated")
+    ap.add_argument("--backends", default="cuda,triton")
+    ap.add_argument("--triton-loop", action="store_true",
+                    help="Triton with the run-time chunk loop for every k (triton_backend._UNROLL_CHUNKS off)")
+    args = ap.parse_args(argv)
+    if args.triton_loop:
+        from deepspeed_sdp4bit.kernels import triton_backend
+        triton_backend._UNROLL_CHUNKS = False
+    size = args.size_mb * B.MB
+    backends = {n: b for n, b in B.load_backends(args.backends.split(",")).items() if not isinstance(b, str)}
+    cp = B.copy_bandwidth(size)
+    print(f"{torch.cuda.get_device_name()}; backends {list(backends)}; copy {args.size_mb} MiB {cp['gbps']:.0f} GB/s")
+    print(f"{'op':30s} {'k':>3s} {'backend':8s} {'median_us':>10s} {'GB/s':>7s} {'%copy':>6s}")
+    for k in (int(v) for v in args.ks.split(",") if v):
+        for op, make, in_b, out_b, run in cases(size, k):
+            sets = [make() for _ in range(B.n_sets(in_b))]
+            for name, b in backends.items():
+                t = B.time_calls([(lambda d=d, b=b: run(b, d)) for d in sets], in_b + out_b)
+                gbps = (in_b + out_b) / t["median_s"] / 1e9
+                pct = 100 * gbps / cp["gbps"]
+                print(f"{op:30s} {k:3d} {name:8s} {t['median_s'] * 1e6:10.1f} {gbps:7.0f} {pct:6.1f}")
+            del sets
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
