@@ -1,6 +1,6 @@
 """A/B of the Triton row kernels' optional steps: the inline PTX (``triton_backend._PTX_ROUND``: rounding and
 packing in ops 1 and 2; ``_PTX_DECODE``: decoding in op 2; ``_PTX_WIDEN``: bf16 widening in op 1) and the
-unrolled chunk loop of ops 2 and 3 (``_UNROLL_CHUNKS``). Switch the named ones off, then run ``bench_kernels.py``
+unrolled chunk loop of op 2 (``_UNROLL_CHUNKS``). Switch the named ones off, then run ``bench_kernels.py``
 with the remaining arguments.
 
     python benchmarks/ab_triton_ptx.py _PTX_DECODE --out ab.json --sizes-mb 128,2048 --backends triton \

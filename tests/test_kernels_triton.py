@@ -251,7 +251,7 @@ def test_row_kernel_plan():
     assert plan(128, 256, 64) is None  # rows above 64 values per thread: the general kernel
     assert plan(32, 96, 64) is None  # 3 rows per group: not a power of two
     assert plan(64, 32, 64) is None  # groups smaller than a row
-    assert [T._unrolled_chunks(k) for k in (1, 2, 8, 9)] == [1, 2, 8, 0]  # chunk loops unrolled up to 8
+    assert [T._unrolled_chunks(k) for k in (1, 2, 8, 9)] == [1, 2, 8, 0]  # op 2's chunk loop unrolled up to 8
     if not T._INTERPRETED:  # on GPUs a program has at least a warp of rows, one per thread
         assert plan(32, 64, 3) == (32, 2, 1)
         assert plan(32, 128, 1 << 20) == (128, 4, 4)
@@ -283,7 +283,7 @@ DSR_CASES = [
     (3, 64, 32, 3, "quantized", None),
     (2, 32, 96, 7, "random", SMALL_TILE),  # m = 224 -> 3 output groups, the last one zero-padded
     (4, 64, 128, 3, "random", None),  # m = 192 -> 2 output groups, padded
-    (9, 64, None, 2, "quantized", None),  # more chunks than the row kernels unroll: their run-time loop
+    (9, 64, None, 2, "quantized", None),  # more chunks than op 2's row kernel unrolls: its run-time loop
 ]
 
 
@@ -317,7 +317,7 @@ DSIH_CASES = [
     (2, 64, 64, 3, 2.0, "random", None),
     (2, 128, 128, 2, 0.5, "random", None),  # Hadamard size above the row kernels' 64: the general kernel
     (3, 32, 64, 4, 1.0, "quantized", SMALL_TILE),  # groups smaller than a row: the general kernel
-    (9, 64, 32, 2, 1.0, "random", None),  # more chunks than the row kernels unroll: their run-time loop
+    (9, 64, 32, 2, 1.0, "random", None),  # many chunks (op 3's row kernel always loops at run time)
 ]
 
 

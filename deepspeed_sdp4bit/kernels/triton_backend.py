@@ -754,15 +754,16 @@ def _dequant_sum_requant_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, in_row
 def _dequant_sum_inverse_hadamard_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, nrows, out_ptr, factor,
                                               A: tl.constexpr, LOG_A: tl.constexpr, R: tl.constexpr,
                                               IN_GS: tl.constexpr, IN_BITS: tl.constexpr, HAD: tl.constexpr,
-                                              OUT_KIND: tl.constexpr, K: tl.constexpr):
+                                              OUT_KIND: tl.constexpr):
     """Op 3 on R rows of B = 8A elements per program: sum, butterfly, * factor, cast, store."""
     B: tl.constexpr = A * 8
     blk0 = tl.program_id(0).to(tl.int64) * R
     r = tl.arange(0, R)
     rmask = blk0 + r < nrows
-    # Plain decoding: with the PTX decoding (fewer instructions in the SASS) this kernel ran slower on an H200,
-    # 68% instead of 83% of copy bandwidth at 2 GiB (benchmarks/results, A/B of the PTX steps); op 2 gains.
-    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS, False, K)
+    # Plain decoding and the run-time chunk loop: with the PTX decoding (fewer instructions in the SASS) this kernel
+    # ran slower on an H200, 68% instead of 83% of copy bandwidth at 2 GiB, and with the unrolled loop up to 2
+    # points slower (benchmarks/results/triton_ptx_ab/, triton_unroll/); op 2 gains from both.
+    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS, False, 0)
     if HAD:
         xs = _butterfly_rows(xs, R, A, LOG_A)
     col = tl.arange(0, 8)[None, :]
@@ -855,9 +856,11 @@ def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, 
     return rows, gb, max(1, rows // 32)
 
 
-# The row kernels of ops 2 and 3 unroll the loop over the k received chunks when k is at most this (the GPUs of a
-# node, or the nodes): one compiled kernel per k, with every chunk's loads issued before the sums.  False: the
-# run-time loop for every k (an A/B switch of benchmarks/ab_triton_ptx.py).
+# Op 2's row kernel unrolls the loop over the k received chunks (the GPUs of a node) when k is at most this: one
+# compiled kernel per k, with every chunk's loads issued before the sums; on an H200 that ran op 2 3-5 points of
+# copy bandwidth faster for k = 2..8, while op 3 (k = nodes) ran up to 2 points slower and keeps the run-time loop
+# (benchmarks/results/triton_unroll/).  False: the run-time loop for every k (an A/B switch of
+# benchmarks/ab_triton_ptx.py).
 _UNROLL_CHUNKS = True
 _MAX_UNROLLED_CHUNKS = 8
 
@@ -1054,7 +1057,7 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
         _launch(_dequant_sum_inverse_hadamard_rows_kernel, (triton.cdiv(m // b, rows_pp),),
                 in_view, payloads.stride(0), scales, scales.stride(0), k, m // b, _float_view(res), factor32,
                 num_warps=nw, A=b // 8, LOG_A=(b // 8).bit_length() - 1, R=rows_pp, IN_GS=group_size,
-                IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype], K=_unrolled_chunks(k))
+                IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype])
         return res
     block = _elements_per_program(m, hadamard_size or 1)
     _launch(_dequant_sum_inverse_hadamard_kernel, (triton.cdiv(m, block),),
