@@ -40,7 +40,8 @@ whole row stays in one thread's registers (butterfly, group maximum and rounding
 shuffles).  They apply when a group is a power-of-two number of rows, a swizzle segment holds whole rows and,
 for stochastic rounding, the offset is even with every pair index below 2**32 (``_rows_plan``,
 ``_pairs_fit``); everything else (odd offsets, groups such as 96, Hadamard sizes above 64, counters past
-2**33) takes the general kernels below, which the tests cover as well.
+2**33) takes the general kernels below, which the tests cover as well.  Op 2's row kernel also compiles the
+chunk count k in when k <= 8 (``_unrolled_chunks``), so that all chunks' loads are issued first.
 
 General kernels: grouped ops (1, 2, 4) give each program ``GPP`` whole groups as a [GPP, BLOCK_G] tile
 (BLOCK_G = the group size rounded up to a power of two, extra columns masked); ops 3 and 5 give each program
@@ -866,7 +867,7 @@ _MAX_UNROLLED_CHUNKS = 8
 
 
 def _unrolled_chunks(k: int) -> int:
-    """The row kernels' compile-time chunk count K for k chunks, 0 for the run-time loop."""
+    """Op 2's row kernel: the compile-time chunk count K for k chunks, 0 for the run-time loop."""
     return int(k) if _UNROLL_CHUNKS and 1 <= k <= _MAX_UNROLLED_CHUNKS else 0
 
 
