@@ -53,10 +53,16 @@ def main(argv=None):
     ap.add_argument("--backends", default="cuda,triton")
     ap.add_argument("--triton-loop", action="store_true",
                     help="Triton with the run-time chunk loop for every k (triton_backend._UNROLL_CHUNKS off)")
+    ap.add_argument("--op3-ptx-min-k", type=int, default=None,
+                    help="Triton op 3 decodes with PTX from this many chunks on (triton_backend._OP3_PTX_DECODE_MIN_K; "
+                         "1: always, a large number: never)")
     args = ap.parse_args(argv)
-    if args.triton_loop:
+    if args.triton_loop or args.op3_ptx_min_k is not None:
         from deepspeed_sdp4bit.kernels import triton_backend
-        triton_backend._UNROLL_CHUNKS = False
+        if args.triton_loop:
+            triton_backend._UNROLL_CHUNKS = False
+        if args.op3_ptx_min_k is not None:
+            triton_backend._OP3_PTX_DECODE_MIN_K = args.op3_ptx_min_k
     size = args.size_mb * B.MB
     backends = {n: b for n, b in B.load_backends(args.backends.split(",")).items() if not isinstance(b, str)}
     cp = B.copy_bandwidth(size)

@@ -755,16 +755,16 @@ def _dequant_sum_requant_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, in_row
 def _dequant_sum_inverse_hadamard_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, nrows, out_ptr, factor,
                                               A: tl.constexpr, LOG_A: tl.constexpr, R: tl.constexpr,
                                               IN_GS: tl.constexpr, IN_BITS: tl.constexpr, HAD: tl.constexpr,
-                                              OUT_KIND: tl.constexpr):
+                                              OUT_KIND: tl.constexpr, PTX_DECODE: tl.constexpr):
     """Op 3 on R rows of B = 8A elements per program: sum, butterfly, * factor, cast, store."""
     B: tl.constexpr = A * 8
     blk0 = tl.program_id(0).to(tl.int64) * R
     r = tl.arange(0, R)
     rmask = blk0 + r < nrows
-    # Plain decoding and the run-time chunk loop: with the PTX decoding (fewer instructions in the SASS) this kernel
-    # ran slower on an H200, 68% instead of 83% of copy bandwidth at 2 GiB, and with the unrolled loop up to 2
-    # points slower (benchmarks/results/triton_ptx_ab/, triton_unroll/); op 2 gains from both.
-    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS, False, 0)
+    # The run-time chunk loop (the unrolled one ran up to 2 points slower here), and the PTX decoding only from
+    # ``_OP3_PTX_DECODE_MIN_K`` chunks on (see there).
+    xs = _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R, A, IN_GS, IN_BITS, PTX_DECODE,
+                           0)
     if HAD:
         xs = _butterfly_rows(xs, R, A, LOG_A)
     col = tl.arange(0, 8)[None, :]
@@ -794,7 +794,11 @@ _PTX = tl.constexpr(not _INTERPRETED and torch.version.hip is None
                     and os.environ.get("SDP4BIT_TRITON_PTX", "1") != "0")
 # Each PTX step on its own (benchmarks/ab_triton_ptx.py switches them off one at a time):
 _PTX_ROUND = _PTX  # round-down adds and code packing (ops 1, 2)
-_PTX_DECODE = _PTX  # code decoding (op 2; op 3 keeps the plain code)
+_PTX_DECODE = _PTX  # code decoding (op 2; op 3 from _OP3_PTX_DECODE_MIN_K chunks on)
+# Op 3 with the PTX decoding, at 512 MiB on an H200: k = 2 chunks 69% of copy bandwidth against 83% with the plain
+# code (the SASS has fewer instructions; the cause was not found), but k = 4 81% against 75% and k = 8 76% against
+# 67% (benchmarks/results/triton_ptx_ab/).  So op 3 decodes with PTX from 4 chunks (nodes) on.
+_OP3_PTX_DECODE_MIN_K = 4
 _PTX_WIDEN = _PTX  # bf16 widening (op 1)
 
 
@@ -1058,7 +1062,8 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
         _launch(_dequant_sum_inverse_hadamard_rows_kernel, (triton.cdiv(m // b, rows_pp),),
                 in_view, payloads.stride(0), scales, scales.stride(0), k, m // b, _float_view(res), factor32,
                 num_warps=nw, A=b // 8, LOG_A=(b // 8).bit_length() - 1, R=rows_pp, IN_GS=group_size,
-                IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype])
+                IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype],
+                PTX_DECODE=bool(_PTX_DECODE) and k >= _OP3_PTX_DECODE_MIN_K)
         return res
     block = _elements_per_program(m, hadamard_size or 1)
     _launch(_dequant_sum_inverse_hadamard_kernel, (triton.cdiv(m, block),),
