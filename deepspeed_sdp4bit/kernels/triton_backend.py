@@ -795,10 +795,11 @@ _PTX = tl.constexpr(not _INTERPRETED and torch.version.hip is None
 # Each PTX step on its own (benchmarks/ab_triton_ptx.py switches them off one at a time):
 _PTX_ROUND = _PTX  # round-down adds and code packing (ops 1, 2)
 _PTX_DECODE = _PTX  # code decoding (op 2; op 3 from _OP3_PTX_DECODE_MIN_K chunks on)
-# Op 3 with the PTX decoding, at 512 MiB on an H200: k = 2 chunks 69% of copy bandwidth against 83% with the plain
-# code (the SASS has fewer instructions; the cause was not found), but k = 4 81% against 75% and k = 8 76% against
-# 67% (benchmarks/results/triton_ptx_ab/).  So op 3 decodes with PTX from 4 chunks (nodes) on.
-_OP3_PTX_DECODE_MIN_K = 4
+# Op 3 with the PTX decoding, at 512 MiB on an H200: k = 2 chunks 69% of copy bandwidth against 82% with the plain
+# code (the SASS has fewer instructions; the cause was not found), but k = 3 83% against 78%, k = 4 81% against 74%
+# and k = 8 76% against 67% (benchmarks/results/kernels_h200_op3_ptx_*.txt).  So op 3 decodes with PTX from 3
+# chunks (nodes) on.
+_OP3_PTX_DECODE_MIN_K = 3
 _PTX_WIDEN = _PTX  # bf16 widening (op 1)
 
 
