@@ -15,8 +15,8 @@ interpreted is fixed at import time, so the probe looks at the decorated kernels
 
 How bit-exactness with the reference is kept
 --------------------------------------------
-* All math is fp32.  Divisions (the per-group scale and its reciprocal) use ``tl.math.div_rn`` (IEEE round-to-nearest; plain ``/`` may lower to
-  an approximate division on GPUs).  Kernels are launched with ``enable_fp_fusion=False`` so that the
+* All math is fp32.  Divisions (the per-group scale and its reciprocal) use ``tl.math.div_rn`` (IEEE
+  round-to-nearest; plain ``/`` may lower to an approximate division on GPUs).  Kernels are launched with ``enable_fp_fusion=False`` so that the
   dequantize multiply and the following add are never contracted into one FMA, and (NVIDIA) with
   ``enable_reflect_ftz=False`` so that ``floor`` keeps subnormals like torch does.
 * The Hadamard transform is the reference butterfly, stage by stage (strides 1, 2, ..., h/2), done with
@@ -357,8 +357,8 @@ def _dequant_add_kernel(replica_ptr, p_ptr, s_ptr, n, GS: tl.constexpr, BITS: tl
 # ----------------------------------------------------------------------------------------------------------
 # row-block kernels (the fast path of ops 1-3)
 # ----------------------------------------------------------------------------------------------------------
-# A program owns RB rows of B consecutive elements (B = the Hadamard size, or 32 without a transform), one
-# row per thread on GPUs.  A row is held as a tuple of A = B/8 slabs, each an [RB, 8] tensor, so the layout
+# A program owns R rows of B consecutive elements (B = the Hadamard size, or 32 without a transform), one
+# row per thread on GPUs.  A row is held as a tuple of A = B/8 slabs, each an [R, 8] tensor, so the layout
 # Triton picks puts a whole row in one thread's registers: the butterfly, the group maximum over the row and
 # the rounding are register arithmetic with no shared memory or shuffles (the 2-D formulation above lets
 # Triton spread a row over lanes, and every butterfly stage then went through shared memory).  Groups are GB
@@ -482,39 +482,52 @@ def _quantize_store_rows(xs, out_ptr, scale_ptr, pid, blk0, r, rmask, nrows, key
     for a in tl.static_range(A):
         # |y| <= qmax in a valid group (fitted reciprocal): codes need no clamp, and t is never subnormal
         y = xs[a] * inv_r
-        # c: the code's two's complement in its low 8 (or 4) bits, the only bits stored, so the magic
-        # constant's bits (0 mod 256) need not be subtracted
         if STOCH:
-            t = y + _rows_uniforms(prow, key_u32, ubits, a, R, ALIGNED)
-            if _PTX_ROUND:
-                c = _ptx_floor_bits(t, True)  # RD(t + (M - 1)) = M + floor(t) - 1
-            else:
-                # floor(t) - 1 = n - (n + 1 > t) with n = RN(t - 1) = mg - (M - 1), mg = RN(t + (M - 1))
-                mg = t + (_MAGIC - 1.0)
-                c = mg.to(tl.int32, bitcast=True)
-                c = tl.where(mg - (_MAGIC - 1.0) > t, c - 1, c)
+            c = _floor_bits(y + _rows_uniforms(prow, key_u32, ubits, a, R, ALIGNED), True)
         else:
-            t = tl.abs(y) + 0.5  # sign(y) * floor(|y| + 0.5)
-            if _PTX_ROUND:
-                c = _ptx_floor_bits(t, False)  # RD(t + M) = M + floor(t)
-            else:
-                mg = t + _MAGIC
-                c = mg.to(tl.int32, bitcast=True)
-                c = tl.where(mg - _MAGIC > t, c - 1, c)
+            c = _floor_bits(tl.abs(y) + 0.5, False)  # sign(y) * floor(|y| + 0.5)
             c = tl.where(y < 0.0, -c, c)  # -(M + n) keeps -n's low byte
-        if BITS == 8:
-            if _PTX_ROUND:
-                byte = _ptx_pack_bytes(c, keep)
-            else:
-                byte = tl.where(valid_r, c, 0).to(tl.int8)
-            tl.store(out_ptr + (r[:, None] * B + (a * 8 + tl.arange(0, 8))[None, :]), byte, mask=smask)
+        byte = _pack_codes(c, valid_r, keep, R, BITS)
+        tl.store(out_ptr + (r[:, None] * (B * BITS // 8) + (a * BITS + tl.arange(0, BITS))[None, :]), byte,
+                 mask=smask)
+
+
+@triton.jit
+def _floor_bits(t, STOCH: tl.constexpr):
+    """Bits of RD(t + C), C = M - 1 (STOCH: M + floor(t) - 1) or M (M + floor(t)), M = 1.5 * 2**23: the code's
+    two's complement in the low 8 (or 4) bits, the only bits stored, so M's bits (0 mod 256) need not be
+    subtracted."""
+    if _PTX_ROUND:
+        c = _ptx_floor_bits(t, STOCH)
+    else:
+        # RD(t + C) = n - (n > t + C) with n = RN(t + C), compared as n - C > t (exact)
+        if STOCH:
+            mg = t + (_MAGIC - 1.0)
+            back = mg - (_MAGIC - 1.0)
         else:
-            lo, hi = tl.split(tl.reshape(c, [R, 4, 2]))
-            if _PTX_ROUND:
-                byte = _ptx_pack_nibbles(lo, hi, keep)
-            else:
-                byte = tl.where(valid_r, (lo & 0xF) | ((hi & 0xF) << 4), 0).to(tl.uint8)
-            tl.store(out_ptr + (r[:, None] * (B // 2) + (a * 4 + tl.arange(0, 4))[None, :]), byte, mask=smask)
+            mg = t + _MAGIC
+            back = mg - _MAGIC
+        c = mg.to(tl.int32, bitcast=True)
+        c = tl.where(back > t, c - 1, c)
+    return c
+
+
+@triton.jit
+def _pack_codes(c, valid_r, keep, R: tl.constexpr, BITS: tl.constexpr):
+    """Payload bytes [R, 8] (BITS=8, int8) or [R, 4] (BITS=4, uint8, element 2i in the low nibble) of the int32
+    codes ``c`` [R, 8] (code in the low bits); rows where ``valid_r`` is false (``keep`` 0) get code 0."""
+    if BITS == 8:
+        if _PTX_ROUND:
+            byte = _ptx_pack_bytes(c, keep)
+        else:
+            byte = tl.where(valid_r, c, 0).to(tl.int8)
+    else:
+        lo, hi = tl.split(tl.reshape(c, [R, 4, 2]))
+        if _PTX_ROUND:
+            byte = _ptx_pack_nibbles(lo, hi, keep)
+        else:
+            byte = tl.where(valid_r, (lo & 0xF) | ((hi & 0xF) << 4), 0).to(tl.uint8)
+    return byte
 
 
 # ---- PTX fast paths of the row kernels (compiled NVIDIA builds: ``_PTX``) ----
@@ -795,12 +808,12 @@ _PTX = tl.constexpr(not _INTERPRETED and torch.version.hip is None
 # Each PTX step on its own (benchmarks/ab_triton_ptx.py switches them off one at a time):
 _PTX_ROUND = _PTX  # round-down adds and code packing (ops 1, 2)
 _PTX_DECODE = _PTX  # code decoding (op 2; op 3 from _OP3_PTX_DECODE_MIN_K chunks on)
+_PTX_WIDEN = _PTX  # bf16 widening (op 1)
 # Op 3 with the PTX decoding, at 512 MiB on an H200: k = 2 chunks 69% of copy bandwidth against 82% with the plain
 # code (the SASS has fewer instructions; the cause was not found), but k = 3 83% against 78%, k = 4 81% against 74%
 # and k = 8 76% against 67% (benchmarks/results/kernels_h200_op3_ptx_*.txt).  So op 3 decodes with PTX from 3
 # chunks (nodes) on.
 _OP3_PTX_DECODE_MIN_K = 3
-_PTX_WIDEN = _PTX  # bf16 widening (op 1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1005,6 +1018,7 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
     """
     payloads, scales, k, m, ogs, m_pad, stoch = requant_plan(payloads, scales, in_bits, out_bits, group_size,
                                                              rounding, key, out_group_size)
+    qmax = R.qmax_for_bits(out_bits)
     device = payloads.device
     _check_device(device, scales=scales, out=out, out_scales=out_scales)
     ngroups = m_pad // ogs
@@ -1021,7 +1035,7 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
                 in_view, payloads.stride(0), scales, scales.stride(0), k, m // 32, _code_view(payload, out_bits),
                 oscales.view(-1), m_pad // 32, _key_i32(key), int(offset), _UBITS, num_warps=nw,
                 A=4, R=rows_pp, GB=gb, IN_GS=group_size, IN_BITS=in_bits, BITS=out_bits,
-                QMAX=R.qmax_for_bits(out_bits), STOCH=stoch, ALIGNED=stoch and int(offset) % 32 == 0,
+                QMAX=qmax, STOCH=stoch, ALIGNED=stoch and int(offset) % 32 == 0,
                 K=_unrolled_chunks(k))
         return payload, oscales
     block_g, gpp = _groups_per_program(ogs, ngroups)
@@ -1029,8 +1043,7 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
             in_view, payloads.stride(0),
             scales, scales.stride(0), k, m, _code_view(payload, out_bits), oscales.view(-1), ngroups,
             _key_i32(key), int(offset), tile_elems=gpp * block_g,
-            IN_GS=group_size, IN_BITS=in_bits, GS=ogs, BLOCK_G=block_g, GPP=gpp, BITS=out_bits,
-            QMAX=R.qmax_for_bits(out_bits),
+            IN_GS=group_size, IN_BITS=in_bits, GS=ogs, BLOCK_G=block_g, GPP=gpp, BITS=out_bits, QMAX=qmax,
             STOCH=stoch, NEED_HI=stoch and _need_hi(int(offset), m_pad))
     return payload, oscales
 
