@@ -187,7 +187,7 @@ __device__ __forceinline__ float code_float(float magic_code) { return __fsub_rn
 
 // reference.round_codes for a valid group: y = x * r is finite and |y| <= qmax.  STOCH: u1 in (1, 2).
 template <bool STOCH>
-__device__ __forceinline__ float round_to_magic(float y, float u1, float qmax)
+__device__ __forceinline__ float round_to_magic(float y, float u1)
 {
     // |y| <= qmax (group_q fits the reciprocal), so the codes land in [-qmax, qmax] without a clamp
     if constexpr (STOCH) {
@@ -526,7 +526,7 @@ __device__ __forceinline__ void codes_of(const QuantOut& q, int64_t o, const flo
         for (int t = 0; t < N; ++t) u[t] = 0.0f;
     }
 #pragma unroll
-    for (int t = 0; t < N; ++t) mk[t] = round_to_magic<STOCH>(__fmul_rn(v[t], g.r), u[t], q.qmax);
+    for (int t = 0; t < N; ++t) mk[t] = round_to_magic<STOCH>(__fmul_rn(v[t], g.r), u[t]);
 }
 
 template <int BITS, bool STOCH, class Src>
@@ -680,7 +680,8 @@ __device__ __forceinline__ int swz(int c) { return c ^ ((c >> 3) & 7); }
 // Coalesced store of a warp tile of 32*LB bytes: lane `lane` gives its LB bytes (chunks lane*LB/16 ..); chunk
 // c of the tile goes to addr(c) when valid(c).
 template <int LB, class Addr, class Valid>
-__device__ __forceinline__ void warp_store_staged(uint4* sm, int lane, Addr addr, Valid valid, const uint4 (&d)[LB / 16])
+__device__ __forceinline__ void warp_store_staged(uint4* sm, int lane, Addr addr, Valid valid,
+                                                  const uint4 (&d)[LB / 16])
 {
     constexpr int R = LB / 16;
 #pragma unroll
@@ -841,7 +842,7 @@ __global__ void __launch_bounds__(kThreads, (STOCH && !ALIGNED) ? 1 : Src::kMinB
         }
         float mk[kWide];
 #pragma unroll
-        for (int t = 0; t < kWide; ++t) mk[t] = round_to_magic<STOCH>(__fmul_rn(v[t], g.r), u[t], q.qmax);
+        for (int t = 0; t < kWide; ++t) mk[t] = round_to_magic<STOCH>(__fmul_rn(v[t], g.r), u[t]);
         store_codes32<BITS>(q.payload, o, mk);
     } else {
         store_zero_codes32<BITS>(q.payload, o);

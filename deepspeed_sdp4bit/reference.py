@@ -23,9 +23,9 @@ Conventions shared by all ops
       ``k`` a 16-bit random integer, so ``u1 - 1`` is uniform on 2**16 points centred in [0, 1) and
       E[code] = y up to the 2**-17 resolution of ``u1``.  (Written as ``u1 - 1`` rather than ``u`` because a
       kernel then gets ``u1`` from the hash with one bitwise OR, no int-to-float conversion.)
-  which lands in ``[-qmax, qmax]`` because ``|y| <= qmax`` and ``1 < u1 < 2``.  Where ``scale`` is 0 (all-zero group, or absmax so small that
-  absmax/qmax underflows), not finite, or so small that ``1 / scale`` overflows (scale < 2**-127), or where
-  ``y`` is not finite, the code is 0.
+  which lands in ``[-qmax, qmax]`` because ``|y| <= qmax`` and ``1 < u1 < 2``. Where ``scale`` is 0 (all-zero
+  group, or absmax so small that absmax/qmax underflows), not finite, or so small that ``1 / scale`` overflows
+  (scale < 2**-127), or where ``y`` is not finite, the code is 0.
 * Dequantization is ``float(code) * scale`` (one rounded fp32 multiply, never fused with a following add).
   A non-finite scale therefore gives a non-finite value for every element of its group (0 * inf = NaN), so
   an inf/NaN gradient on any rank still shows up as non-finite after the collective (fp16 overflow check).
@@ -167,9 +167,14 @@ def group_absmax(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.where(nan, torch.full_like(absmax, float("nan")), absmax)
 
 
+def scales_from_absmax(absmax: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 group scales ``absmax / qmax`` (one IEEE fp32 division each), NaN/inf propagated."""
+    return absmax / torch.tensor(float(qmax_for_bits(bits)), dtype=torch.float32)
+
+
 def group_scales(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     """fp32 scales [num_groups] of flat ``x`` (zero-padded): ``absmax / qmax``, NaN/inf propagated."""
-    return group_absmax(x, group_size) / torch.tensor(float(qmax_for_bits(bits)), dtype=torch.float32)
+    return scales_from_absmax(group_absmax(x, group_size), bits)
 
 
 def round_codes(y: torch.Tensor, bits: int, rounding: str, key: Optional[int], offset: int,
@@ -223,7 +228,7 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int, rounding: str =
     if bits == 4 and group_size % 2:
         raise ValueError(f"4-bit groups must have an even size, got {group_size}")
     absmax = group_absmax(x, group_size)
-    scales = absmax / torch.tensor(float(qmax_for_bits(bits)), dtype=torch.float32)
+    scales = scales_from_absmax(absmax, bits)
     xg = pad_flat(x.float(), group_size).view(-1, group_size)
     s = scales.view(-1, 1)
     inv = torch.ones_like(s) / s  # IEEE fp32 division, inf for s == 0 or s < 2**-127
