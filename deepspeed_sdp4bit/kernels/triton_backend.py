@@ -851,13 +851,15 @@ def _num_warps(tile_elems: int) -> int:
 
 # The row kernels hold a whole row (B fp32 values) in one thread's registers: B = 64 at most.
 _ROWS_MAX_B = 64
+# Rows per program on GPUs (one per thread), unless a group needs more (benchmarks/sweep_tiles.py varies it).
+_GPU_ROWS = _GPU_TILE // 32
 
 
 def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, int]]:
     """``(R, GB, num_warps)`` for the row kernels with rows of ``b`` elements, or None when they do not apply.
 
     A group must be a power-of-two number GB of rows, and a program holds whole groups: R rows, one per thread
-    on GPUs (``_GPU_TILE // 32`` rows, more when a group is larger, up to 256 = 8 warps; never fewer than the 32
+    on GPUs (``_GPU_ROWS`` rows, more when a group is larger, up to 256 = 8 warps; never fewer than the 32
     threads of a warp, so that a thread holds whole rows whatever the input size, which the inline PTX's packed
     operands need: at least 4 elements per thread).
     """
@@ -869,7 +871,7 @@ def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, 
     if _INTERPRETED:
         rows = max(gb, min(_pow2_at_least(nrows), max(1, _INTERP_TILE // b)))
         return rows, gb, 4
-    rows = max(gb, 32, min(_pow2_at_least(nrows), _GPU_TILE // 32))
+    rows = max(gb, 32, min(_pow2_at_least(nrows), _GPU_ROWS))
     if rows > 256:
         return None
     return rows, gb, max(1, rows // 32)
