@@ -4,11 +4,10 @@ grid matters (64 MiB and up: a few waves of programs).
     python benchmarks/sweep_tiles.py --sizes-mb 64,128,512 --triton-rows 32,64,128,256 --cuda-threads 64,128,256
 
 Triton: ``triton_backend._GPU_ROWS`` rows per program, one per thread (32 rows = one warp).  CUDA: the
-extension rebuilt from a copy of ``csrc/`` with ``kThreads`` threads per block and the launch bounds scaled so
-that every variant keeps the in-tree register caps (``kMinBlocks * kThreads`` fixed); 256 is the in-tree
-build.  A variant is only valid for groups of at most 32 * kThreads elements (the wide kernels' cross-warp
-groups must fit one block), so each is checked against the reference first (``bench_kernels.check_correct``:
-groups of 128 and 2048).
+extension rebuilt from a copy of ``csrc/`` with ``kWideThreads`` threads per block in the wide kernels (ops 1-3
+on the gradient path; their launch bounds keep the resident warps per SM, so the register caps stay); the
+in-tree value is built as it is.  Each variant is first checked against the reference
+(``bench_kernels.check_correct``).
 
 Cases: op 1 (bf16, Hadamard 32, 8-bit g128, stochastic, swizzle), op 2 with k = 4 and k = 2 (8-bit g128 -> 4-bit
 g128), op 3 with k = 2 (4-bit g128 -> bf16, Hadamard 32), as in bench_kernels.py and bench_chunk_counts.py.
@@ -34,21 +33,21 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 
 def variant_csrc(threads: int, root: str) -> str:
-    """A copy of csrc/ with ``threads`` threads per block and launch bounds scaled to keep the register caps."""
+    """A copy of csrc/ whose wide kernels (ops 1-3) have ``threads`` threads per block (launch bounds follow)."""
     dst = os.path.join(root, f"csrc_t{threads}")
     shutil.copytree(CSRC, dst)
-    subs = [("sdp4bit_device.cuh", r"constexpr int kThreads = 256;", f"constexpr int kThreads = {threads};")]
-    for name in ("sdp4bit_quantize.cu", "sdp4bit_reduce.cu"):
-        subs.append((name, r"static constexpr int kMinBlocks = (\d+);",
-                     lambda m: f"static constexpr int kMinBlocks = {int(m.group(1)) * 256 // threads};"))
-    for name, pat, rep in subs:
-        path = os.path.join(dst, name)
-        text = open(path).read()
-        new, count = re.subn(pat, rep, text)
-        if count != 1:
-            raise RuntimeError(f"{name}: expected one match of {pat!r}, found {count}")
-        open(path, "w").write(new)
+    path = os.path.join(dst, "sdp4bit_device.cuh")
+    text = open(path).read()
+    new, count = re.subn(r"constexpr int kWideThreads = \d+;", f"constexpr int kWideThreads = {threads};", text)
+    if count != 1:
+        raise RuntimeError(f"{path}: expected one kWideThreads definition, found {count}")
+    open(path, "w").write(new)
     return dst
+
+
+def in_tree_threads() -> int:
+    text = open(os.path.join(CSRC, "sdp4bit_device.cuh")).read()
+    return int(re.search(r"constexpr int kWideThreads = (\d+);", text).group(1))
 
 
 BUILD = """
@@ -64,7 +63,7 @@ def start_builds(threads, root):
     """{threads: (name, csrc_dir, process)}: the variants compile in parallel subprocesses."""
     jobs = {}
     for t in threads:
-        if t != 256:
+        if t != in_tree_threads():
             name, src = f"sdp4bit_quant_t{t}", variant_csrc(t, root)
             jobs[t] = (name, src, subprocess.Popen([sys.executable, "-c", BUILD, name, src]))
     return jobs
@@ -103,7 +102,7 @@ def main(argv=None):
         jobs = start_builds(threads_list, tempfile.mkdtemp(prefix="sdp4bit_tiles_"))
         default_ext = _native.load_extension()  # the in-tree build, meanwhile
         for t in threads_list:
-            ext = default_ext if t == 256 else load_variant(jobs[t])
+            ext = default_ext if t == in_tree_threads() else load_variant(jobs[t])
             variants[f"cuda t{t}"] = (cuda_backend.make_backend(), lambda ext=ext: setattr(_native, "_EXT", ext))
     default_rows = T._GPU_ROWS
     for r in rows_list:

@@ -43,6 +43,12 @@ constexpr int kWideStep = kWide * kWarp;         // elements per warp in the wid
 constexpr int kStep = kVec * kWarp;              // elements per warp step
 constexpr int kThreads = 256;                    // threads per block
 constexpr int kWarpsPerBlock = kThreads / kWarp;
+// The wide kernels' blocks (ops 1-3 on the gradient path): 2 warps, except where a group spans warps (a block
+// then holds whole groups: kThreads).  A warp owns 1024 elements there and needs microseconds for them, so small
+// blocks give the grid a finer-grained tail: on an H200, 64-thread blocks ran ops 1-3 1-2 points of copy
+// bandwidth faster than 256-thread ones at 64-512 MiB (benchmarks/results/tiles/).
+constexpr int kWideThreads = 64;
+constexpr int kWideWarpsPerBlock = kWideThreads / kWarp;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kMagic = 12582912.0f;            // 1.5 * 2^23
 constexpr uint32_t kMagicBits = 0x4B400000u;     // bits of kMagic
@@ -795,15 +801,21 @@ __device__ __forceinline__ float absmax_nan(float m, float x)
 // indices below 2^32, so the uniforms take uniforms1_aligned.  The codes are computed and stored inside the
 // valid-group branch (an invalid group stores zero words): had the branches merged into one store, the
 // compiler would pre-fill all 32 code registers for the rare invalid case.
-// The launch bound is Src's, except for the general counter hash (stochastic, not ALIGNED: rare offsets and
-// groups across warps), whose extra registers would spill under it.
+// Blocks of kWideThreads, or kThreads with MULTI.  The launch bound keeps Src's resident warps per SM (its
+// register cap), except for the general counter hash (stochastic, not ALIGNED: rare offsets and groups across
+// warps), whose extra registers would spill under it.
+template <bool MULTI>
+constexpr int kWideThreadsFor = MULTI ? kThreads : kWideThreads;
+
 template <class Src, int BITS, bool STOCH, bool HAD, bool ALIGNED, bool MULTI>
-__global__ void __launch_bounds__(kThreads, (STOCH && !ALIGNED) ? 1 : Src::kMinBlocks)
+__global__ void __launch_bounds__(kWideThreadsFor<MULTI>,
+                                  (STOCH && !ALIGNED) ? 1 : Src::kMinWarps * kWarp / kWideThreadsFor<MULTI>)
     quant_wide_kernel(Src src, QuantOut q, int hadamard, int64_t num_warps)
 {
+    constexpr int kWarps = kWideThreadsFor<MULTI> / kWarp;
     const int lane = threadIdx.x & (kWarp - 1);
     const int warp = threadIdx.x / kWarp;
-    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp;
+    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
     // uniform per warp: shuffles below see full warps (MULTI keeps every warp for the block barrier; warps past
     // the end load zeros and store nothing)
     if (!MULTI && w >= num_warps) return;
@@ -820,7 +832,7 @@ __global__ void __launch_bounds__(kThreads, (STOCH && !ALIGNED) ? 1 : Src::kMinB
         if (off < lanes_per_group) m = absmax_nan(m, __shfl_xor_sync(kFullMask, m, off));
     }
     if constexpr (MULTI) {
-        __shared__ float warp_max[kWarpsPerBlock];
+        __shared__ float warp_max[kWarps];
         if (lane == 0) warp_max[warp] = m;
         __syncthreads();
         const int warps_per_group = 1 << (q.group_shift - 10);
@@ -855,9 +867,9 @@ __global__ void __launch_bounds__(kThreads, (STOCH && !ALIGNED) ? 1 : Src::kMinB
 // ------------------------------------------------------------------------------------------------------
 inline bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
-inline unsigned int blocks_for(int64_t warps)
+inline unsigned int blocks_for(int64_t warps, int warps_per_block = kWarpsPerBlock)
 {
-    return static_cast<unsigned int>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
+    return static_cast<unsigned int>((warps + warps_per_block - 1) / warps_per_block);
 }
 
 inline QuantOut make_out(const QuantSpec& q, int64_t n_pad, uint8_t* payload, float* scales)
@@ -886,13 +898,16 @@ void launch_quant_wide(const Src& src, const QuantOut& q, int hadamard, cudaStre
     const int64_t nw = (q.n_pad + kWideStep - 1) / kWideStep;
     // counters offset .. offset + n_pad - 1: multiples of 32 per lane, pair indices (counter >> 1) < 2^32
     const bool aligned_counters = q.offset >= 0 && q.offset % kWide == 0 && q.offset + q.n_pad <= (1ll << 33);
-    const unsigned int blocks = blocks_for(nw);
+    const unsigned int blocks = blocks_for(nw, kWideWarpsPerBlock);
     if (q.group_shift > 10) {  // groups across warps: rare in the gradient path, counters taken generally
-        quant_wide_kernel<Src, BITS, STOCH, HAD, false, true><<<blocks, kThreads, 0, stream>>>(src, q, hadamard, nw);
+        quant_wide_kernel<Src, BITS, STOCH, HAD, false, true>
+            <<<blocks_for(nw), kWideThreadsFor<true>, 0, stream>>>(src, q, hadamard, nw);
     } else if (STOCH && aligned_counters) {  // (ALIGNED = STOCH: no separate nearest-rounding instance)
-        quant_wide_kernel<Src, BITS, STOCH, HAD, STOCH, false><<<blocks, kThreads, 0, stream>>>(src, q, hadamard, nw);
+        quant_wide_kernel<Src, BITS, STOCH, HAD, STOCH, false>
+            <<<blocks, kWideThreadsFor<false>, 0, stream>>>(src, q, hadamard, nw);
     } else {
-        quant_wide_kernel<Src, BITS, STOCH, HAD, false, false><<<blocks, kThreads, 0, stream>>>(src, q, hadamard, nw);
+        quant_wide_kernel<Src, BITS, STOCH, HAD, false, false>
+            <<<blocks, kWideThreadsFor<false>, 0, stream>>>(src, q, hadamard, nw);
     }
 }
 

@@ -45,10 +45,10 @@ struct SrcTensor {  // a float tensor, optionally read through the [rows, cols, 
     // the wide kernel: 32 elements at output index o (a multiple of 32); wide_ok() guarantees seg % 32 == 0
     // (a lane's run never straddles two segments) and a 16-byte aligned x
     static constexpr bool kHasWide = true;
-    // launch bound: 5 blocks of 256 threads per SM (at most 48 registers, what the compiler picks for op 1
-    // without a bound on blocks; "at least 1 block" let it take 64 and ran 8% slower on an H200, and 6 blocks
-    // spilled)
-    static constexpr int kMinBlocks = 5;
+    // launch bound: 40 resident warps per SM (at most 48 registers, what the compiler picks for op 1 without a
+    // bound on blocks; "at least 1 block" of 256 threads let it take 64 and ran 8% slower on an H200, and 48
+    // warps spilled)
+    static constexpr int kMinWarps = 40;
     bool x_aligned;
     bool wide_ok() const { return x_aligned && (rows == 0 || seg % kWide == 0); }
 

@@ -54,11 +54,11 @@ struct SrcDequantSum {
         return rows_aligned && m % kWide == 0 && (row_bytes % 16) == 0 && div_group.d % kWide == 0;
     }
 
-    // The lane's 32 sums at o (zeros at and past m).  kMinBlocks: at most 64 registers (4 blocks of 256
-    // threads per SM, from 80 registers and 3 blocks) ran ops 2 and 3 5-13% faster on an H200 for k = 1..8.
+    // The lane's 32 sums at o (zeros at and past m).  kMinWarps: at most 64 registers (32 resident warps per
+    // SM, from 80 registers and 24 warps) ran ops 2 and 3 5-13% faster on an H200 for k = 1..8.
     // (Loading the first 2 or 4 chunks ahead of decoding them, with chunks past k predicated off, ran slower:
     // 96 registers, or spills at 64.)
-    static constexpr int kMinBlocks = 4;
+    static constexpr int kMinWarps = 32;
     __device__ __forceinline__ void load_wide(int64_t o, float (&v)[kWide]) const
     {
         if (o >= m) {
@@ -136,17 +136,17 @@ __global__ void __launch_bounds__(kThreads) dequant_sum_ih_kernel(SrcDequantSum<
     }
 }
 
-// Op 3 on the wide layout (32 elements per lane, see quant_wide_kernel); only when src.wide_ok() and the
-// output is 16-byte aligned.
+// Op 3 on the wide layout (32 elements per lane, blocks of kWideThreads, see quant_wide_kernel); only when
+// src.wide_ok() and the output is 16-byte aligned.
 template <int BITS, typename TO, bool HAD>
-__global__ void __launch_bounds__(kThreads, SrcDequantSum<BITS>::kMinBlocks)
+__global__ void __launch_bounds__(kWideThreads, SrcDequantSum<BITS>::kMinWarps / kWideWarpsPerBlock)
     dequant_sum_ih_wide_kernel(SrcDequantSum<BITS> src, TO* __restrict__ out, int hadamard, float factor,
                                int64_t num_warps)
 {
-    __shared__ uint4 stage[kWarpsPerBlock][2 * sizeof(TO) * kWarp];  // a warp tile of TO
+    __shared__ uint4 stage[kWideWarpsPerBlock][2 * sizeof(TO) * kWarp];  // a warp tile of TO
     const int lane = threadIdx.x & (kWarp - 1);
     const int wib = threadIdx.x / kWarp;
-    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + wib;
+    const int64_t w = static_cast<int64_t>(blockIdx.x) * kWideWarpsPerBlock + wib;
     if (w >= num_warps) return;
     const int64_t tile0 = w * kWideStep;
     float v[kWide];
@@ -184,10 +184,10 @@ cudaError_t inverse(const uint8_t* payloads, const float* in_scales, int k, int6
         const int64_t nw = (m + kWideStep - 1) / kWideStep;
         if (hadamard > 1) {
             dequant_sum_ih_wide_kernel<BITS, TO, true>
-                <<<blocks_for(nw), kThreads, 0, stream>>>(src, out, hadamard, factor, nw);
+                <<<blocks_for(nw, kWideWarpsPerBlock), kWideThreads, 0, stream>>>(src, out, hadamard, factor, nw);
         } else {
             dequant_sum_ih_wide_kernel<BITS, TO, false>
-                <<<blocks_for(nw), kThreads, 0, stream>>>(src, out, hadamard, factor, nw);
+                <<<blocks_for(nw, kWideWarpsPerBlock), kWideThreads, 0, stream>>>(src, out, hadamard, factor, nw);
         }
         return cudaGetLastError();
     }

@@ -118,6 +118,7 @@ class SDP4BitConfig(_Strict):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     gradients: GradientsConfig = Field(default_factory=GradientsConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
+    # auto: on GPUs each op from the fastest measured backend that runs there (ops.AUTO_ORDER), torch on CPU.
     kernel_backend: Literal["auto", "cuda", "triton", "torch"] = "auto"
     # Seeds every stochastic-rounding stream together with (step, rank, bucket, level): reproducible runs.
     seed: int = Field(1234, ge=0, lt=1 << 32)

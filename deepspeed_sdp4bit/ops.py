@@ -5,8 +5,9 @@ returned :class:`Backend`; they never import a kernel module directly, so kernel
 the collectives.  Every backend implements the signatures of the reference ops in ``reference.py`` plus
 optional ``out``/``out_scales`` buffers, so a caller can reuse its buffers across steps.
 
-``auto`` picks, for CUDA tensors, the first available of cuda, triton, torch (and says which, once); for CPU
-tensors it is torch.  A backend asked for by name that cannot run raises with the reason.
+``auto`` picks, for CUDA tensors, each op from the fastest available backend (``AUTO_ORDER``: cuda or triton,
+then torch) and says which, once; for CPU tensors it is torch.  A backend asked for by name that cannot run
+raises with the reason.
 """
 
 from __future__ import annotations
@@ -140,33 +141,76 @@ def _try(name: str, device: torch.device) -> Tuple[Optional[Backend], str]:
     return (b if ok else None), why
 
 
+# ``auto`` on CUDA devices: per op, the backends in order of measured speed (nvidia-h200, 64-2048 MiB,
+# benchmarks/results/kernels_h200.json): CUDA leads op 1 by 5-8 points of copy bandwidth and the weight ops by
+# 1-3; Triton leads op 2 by 3-7 points and op 3 by 1-3.  Every backend gives the reference's bits, so mixing
+# them changes speed only (and every rank makes the same choice from the same list).
+AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
+    "hadamard_quantize": ("cuda", "triton", "torch"),
+    "dequant_sum_requant": ("triton", "cuda", "torch"),
+    "dequant_sum_inverse_hadamard": ("triton", "cuda", "torch"),
+    "weight_delta_quantize": ("cuda", "triton", "torch"),
+    "dequant_add_": ("cuda", "triton", "torch"),
+}
+
+
+class AutoBackend(Backend):
+    """``auto``: each op from the first backend of its ``AUTO_ORDER`` list that runs on the device."""
+
+    def __init__(self, picks: Dict[str, Backend]):
+        self.picks = {op: b.name for op, b in picks.items()}
+        super().__init__("auto", {op: getattr(b, op) for op, b in picks.items()},
+                         probe=lambda device: (True, "each op from an available backend"))
+
+    def __repr__(self):
+        return f"AutoBackend({self.picks})"
+
+
+def _auto_backend(device: torch.device) -> Backend:
+    if device.type != "cuda":
+        b, why = _try("torch", device)
+        if b is None:
+            raise RuntimeError(f"no sdp4bit kernel backend can run on {device}: torch: {why}")
+        return b
+    tried: Dict[str, Tuple[Optional[Backend], str]] = {}
+    picks = {}
+    for op in OP_NAMES:
+        for cand in AUTO_ORDER[op]:
+            if cand not in tried:
+                tried[cand] = _try(cand, device)
+            if tried[cand][0] is not None:
+                picks[op] = tried[cand][0]
+                break
+        else:
+            reasons = "; ".join(f"{n}: {why}" for n, (_, why) in tried.items())
+            raise RuntimeError(f"no sdp4bit kernel backend can run {op} on {device}: {reasons}")
+    b = AutoBackend(picks)
+    key = (tuple(sorted(b.picks.items())), device.type)
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        skipped = "; ".join(f"{n}: {why}" for n, (bk, why) in tried.items() if bk is None)
+        logger.info("sdp4bit kernel_backend=auto on %s: %s%s", device.type,
+                    ", ".join(f"{op}={n}" for op, n in b.picks.items()),
+                    f" (unavailable: {skipped})" if skipped else "")
+    return b
+
+
 def get_backend(name: str = "auto", device="cpu") -> Backend:
     """The backend to use for tensors on ``device``.
 
-    ``auto``: CUDA tensors get cuda, else triton, else torch; anything else gets torch.  A named backend
-    that cannot run on ``device`` raises ``RuntimeError`` naming the reason (never a silent fallback).
+    ``auto``: on CUDA devices each op from the first available backend of its ``AUTO_ORDER`` list (the fastest
+    measured); anything else gets torch.  A named backend that cannot run on ``device`` raises
+    ``RuntimeError`` naming the reason (never a silent fallback).
     """
     if name not in BACKEND_NAMES and name not in _FACTORIES:
         raise ValueError(f"sdp4bit.kernel_backend must be one of {BACKEND_NAMES}, got {name!r}")
     device = torch.device(device)
-    if name != "auto":
-        b, why = _try(name, device)
-        if b is None:
-            raise RuntimeError(f"sdp4bit.kernel_backend={name!r} cannot run on {device}: {why}")
-        return b
-    candidates = ("cuda", "triton", "torch") if device.type == "cuda" else ("torch",)
-    reasons = []
-    for cand in candidates:
-        b, why = _try(cand, device)
-        if b is not None:
-            if (cand, device.type) not in _ANNOUNCED:
-                _ANNOUNCED.add((cand, device.type))
-                skipped = "; ".join(reasons)
-                logger.info("sdp4bit kernel_backend=auto uses %r on %s%s", cand, device.type,
-                            f" (skipped: {skipped})" if skipped else "")
-            return b
-        reasons.append(f"{cand}: {why}")
-    raise RuntimeError(f"no sdp4bit kernel backend can run on {device}: {'; '.join(reasons)}")
+    if name == "auto":
+        return _auto_backend(device)
+    b, why = _try(name, device)
+    if b is None:
+        raise RuntimeError(f"sdp4bit.kernel_backend={name!r} cannot run on {device}: {why}")
+    return b
 
 
 def _register_builtin_kernels() -> None:

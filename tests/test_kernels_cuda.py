@@ -416,8 +416,21 @@ def test_side_stream_no_sync_no_alloc(cb, name):
         assert_same(got, want, f"{name} {what} on a side stream")
 
 
-def test_auto_backend_picks_cuda(cb):
-    assert ops.get_backend("auto", "cuda").name == "cuda"
+def test_auto_backend_picks_per_op(cb):
+    """auto on a GPU: each op from the first backend of its AUTO_ORDER that runs here (both compiled ones do
+    wherever Triton is installed, so the picks mix them)."""
+    dev = torch.device("cuda")
+    b = ops.get_backend("auto", dev)
+    for op, order in ops.AUTO_ORDER.items():
+        want = nb = None
+        for n in order:
+            try:
+                nb = ops.get_backend(n, dev)
+            except RuntimeError:
+                continue
+            want = n
+            break
+        assert b.picks[op] == want and getattr(b, op) is getattr(nb, op), op
     assert ops.get_backend("cuda", "cuda").name == "cuda"
     ok, why = cb.available(torch.device("cpu"))
     assert not ok and "CUDA tensors" in why

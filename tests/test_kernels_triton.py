@@ -254,7 +254,7 @@ def test_row_kernel_plan():
     assert [T._unrolled_chunks(k) for k in (1, 2, 8, 9)] == [1, 2, 8, 0]  # op 2's chunk loop unrolled up to 8
     if not T._INTERPRETED:  # on GPUs a program has at least a warp of rows, one per thread
         assert plan(32, 64, 3) == (32, 2, 1)
-        assert plan(32, 128, 1 << 20) == (128, 4, 4)
+        assert plan(32, 128, 1 << 20) == (T._GPU_ROWS, 4, T._GPU_ROWS // 32)  # rows per program, one per thread
     assert T._pairs_fit(False, 7, 64)  # nearest rounding hashes nothing
     assert not T._pairs_fit(True, 7, 64)  # odd offset: pairs straddle rows
     assert not T._pairs_fit(True, 2 ** 33 - 64, 256)  # pair indices at or above 2**32: a second hash round

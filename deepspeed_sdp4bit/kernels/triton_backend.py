@@ -851,8 +851,10 @@ def _num_warps(tile_elems: int) -> int:
 
 # The row kernels hold a whole row (B fp32 values) in one thread's registers: B = 64 at most.
 _ROWS_MAX_B = 64
-# Rows per program on GPUs (one per thread), unless a group needs more (benchmarks/sweep_tiles.py varies it).
-_GPU_ROWS = _GPU_TILE // 32
+# Rows per program on GPUs (one per thread: 2 warps), unless a group needs more.  On an H200, 64 rows ran ops 1
+# and 3 0.2-1.5 points of copy bandwidth faster than 128 and tied for op 2; 256 lost up to 7 points in op 1
+# (benchmarks/results/tiles/, where benchmarks/sweep_tiles.py varies it).
+_GPU_ROWS = 64
 
 
 def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, int]]:
