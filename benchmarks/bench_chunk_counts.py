@@ -23,18 +23,22 @@ from deepspeed_sdp4bit import reference as R  # noqa: E402
 G = 128
 
 
-def cases(size: int, k: int):
+def cases(size: int, k: int, row_pad: int = 0):
+    """Op 2 and op 3 cases; ``row_pad``: bytes between the chunks' payload rows (a strided [k, bytes] view)."""
     key = R.make_key(7, 1)
     m2 = size // k // G * G  # op 2: 8-bit codes, 1 byte per element
     m3 = size * 2 // k // G * G  # op 3: 4-bit codes, half a byte per element
 
+    def payload(nbytes):
+        return B.rand_payload(k, nbytes + row_pad)[:, :nbytes]
+
     def make2():
-        return {"p": B.rand_payload(k, m2), "s": B.rand_scales(k, m2 // G),
+        return {"p": payload(m2), "s": B.rand_scales(k, m2 // G),
                 "out": torch.empty(m2 // 2, dtype=torch.uint8, device="cuda"),
                 "os": torch.empty(m2 // G, device="cuda")}
 
     def make3():
-        return {"p": B.rand_payload(k, m3 // 2), "s": B.rand_scales(k, m3 // G),
+        return {"p": payload(m3 // 2), "s": B.rand_scales(k, m3 // G),
                 "out": torch.empty(m3, dtype=torch.bfloat16, device="cuda")}
 
     return [
@@ -56,7 +60,12 @@ def main(argv=None):
     ap.add_argument("--op3-ptx-min-k", type=int, default=None,
                     help="Triton op 3 decodes with PTX from this many chunks on (triton_backend._OP3_PTX_DECODE_MIN_K; "
                          "1: always, a large number: never)")
+    ap.add_argument("--row-pad", type=int, default=0,
+                    help="bytes between the chunks' payload rows (Triton only: the CUDA binding takes contiguous "
+                         "chunks and would copy)")
     args = ap.parse_args(argv)
+    if args.row_pad and "cuda" in args.backends.split(","):
+        ap.error("--row-pad needs --backends triton (the CUDA binding would copy strided chunks)")
     if args.triton_loop or args.op3_ptx_min_k is not None:
         from deepspeed_sdp4bit.kernels import triton_backend
         if args.triton_loop:
@@ -69,7 +78,7 @@ def main(argv=None):
     print(f"{torch.cuda.get_device_name()}; backends {list(backends)}; copy {args.size_mb} MiB {cp['gbps']:.0f} GB/s")
     print(f"{'op':30s} {'k':>3s} {'backend':8s} {'median_us':>10s} {'GB/s':>7s} {'%copy':>6s}")
     for k in (int(v) for v in args.ks.split(",") if v):
-        for op, make, in_b, out_b, run in cases(size, k):
+        for op, make, in_b, out_b, run in cases(size, k, args.row_pad):
             sets = [make() for _ in range(B.n_sets(in_b))]
             for name, b in backends.items():
                 t = B.time_calls([(lambda d=d, b=b: run(b, d)) for d in sets], in_b + out_b)
