@@ -64,14 +64,23 @@ def _copy_out(t: torch.Tensor, out: Optional[torch.Tensor], what: str) -> torch.
 
 
 # ----- torch backend: the reference ops, with out buffers and device placement -----
+def _checks():
+    """The argument checks the kernel backends share (``kernels/_common.py``), so that the torch backend rejects
+    the same inputs with the same messages.  Imported on use: ``_common`` imports this module."""
+    from .kernels import _common
+    return _common
+
+
 def _t_hadamard_quantize(x, bits, group_size, hadamard_size, rounding="nearest", key=None, offset=0,
                          swizzle=None, out=None, out_scales=None):
+    _checks().quantize_plan(x, bits, group_size, hadamard_size, rounding, key, swizzle)
     p, s = R.hadamard_quantize(x, bits, group_size, hadamard_size, rounding, key, offset, swizzle)
     return _copy_out(p.to(x.device), out, "out"), _copy_out(s.to(x.device), out_scales, "out_scales")
 
 
 def _t_dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, rounding="nearest", key=None,
                            offset=0, out_group_size=None, out=None, out_scales=None):
+    _checks().requant_plan(payloads, scales, in_bits, out_bits, group_size, rounding, key, out_group_size)
     p, s = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, rounding, key, offset,
                                  out_group_size)
     return _copy_out(p, out, "out"), _copy_out(s, out_scales, "out_scales")
@@ -79,6 +88,7 @@ def _t_dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, roun
 
 def _t_dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard_size,
                                     out_dtype=torch.float32, post_scale=1.0, out=None):
+    _checks().inverse_plan(payloads, scales, bits, group_size, hadamard_size, out_dtype, out)
     if out is not None:
         out_dtype = out.dtype
     y = R.dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard_size, out_dtype, post_scale)
@@ -92,11 +102,13 @@ def _t_dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard
 
 def _t_weight_delta_quantize(master, replica, bits, group_size, rounding="nearest", key=None, offset=0,
                              mode="diff", out=None, out_scales=None):
+    _checks().weight_delta_plan(master, replica, bits, group_size, rounding, key, mode)
     p, s = R.weight_delta_quantize(master, replica, bits, group_size, rounding, key, offset, mode)
     return _copy_out(p, out, "out"), _copy_out(s, out_scales, "out_scales")
 
 
 def _t_dequant_add_(replica, payload, scales, bits, group_size, mode="diff"):
+    _checks().dequant_add_plan(replica, payload, scales, bits, group_size, mode)
     return R.dequant_add_(replica, payload, scales, bits, group_size, mode)
 
 
@@ -141,10 +153,11 @@ def _try(name: str, device: torch.device) -> Tuple[Optional[Backend], str]:
     return (b if ok else None), why
 
 
-# ``auto`` on CUDA devices: per op, the backends in order of measured speed (nvidia-h200, 64-2048 MiB,
-# benchmarks/results/kernels_h200.json): CUDA leads op 1 by 5-8 points of copy bandwidth and the weight ops by
-# 1-3; Triton leads op 2 by 3-7 points and op 3 by 1-3.  Every backend gives the reference's bits, so mixing
-# them changes speed only (and every rank makes the same choice from the same list).
+# ``auto`` on CUDA devices: per op, the backends in order of measured speed (nvidia-h200,
+# benchmarks/results/kernels_h200.json at 64-2048 MiB and kernels_h200_chunk_counts*.txt): CUDA leads op 1 by 7-8
+# points of copy bandwidth and the weight ops by 1-3; Triton leads op 2 by 3-6 points at every chunk count
+# measured (2-8) and op 3 by 1-4 points up to 4 chunks.  Every backend gives the reference's bits, so mixing them
+# changes speed only (and every rank makes the same choice from the same lists).
 AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
     "hadamard_quantize": ("cuda", "triton", "torch"),
     "dequant_sum_requant": ("triton", "cuda", "torch"),
@@ -152,15 +165,36 @@ AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
     "weight_delta_quantize": ("cuda", "triton", "torch"),
     "dequant_add_": ("cuda", "triton", "torch"),
 }
+# Ops whose order changes with the chunk count k (payloads.shape[0]): above max_k chunks, the second order.
+# Op 3 with 8 chunks (nodes) ran faster in CUDA: 78.4% vs 76.7% of copy at 512 MiB, 73.5% vs 67.8% at 64 MiB,
+# against Triton's lead of 0.5-4.3 points at k = 2, 3, 4; k = 5..7 were not measured and take CUDA.
+AUTO_ORDER_MANY_CHUNKS: Dict[str, Tuple[int, Tuple[str, ...]]] = {
+    "dequant_sum_inverse_hadamard": (4, ("cuda", "triton", "torch")),
+}
+
+
+def _by_chunks(max_k: int, few: Callable, many: Callable) -> Callable:
+    """An op taking ``few`` for payloads of at most ``max_k`` chunks (and for anything not a 2-D tensor, whose
+    error ``few`` then reports), ``many`` above."""
+    def op(payloads, *args, **kwargs):
+        many_chunks = isinstance(payloads, torch.Tensor) and payloads.dim() == 2 and payloads.shape[0] > max_k
+        return (many if many_chunks else few)(payloads, *args, **kwargs)
+    return op
 
 
 class AutoBackend(Backend):
-    """``auto``: each op from the first backend of its ``AUTO_ORDER`` list that runs on the device."""
+    """``auto``: each op from the first backend of its ``AUTO_ORDER`` list that runs on the device (by chunk
+    count where ``AUTO_ORDER_MANY_CHUNKS`` has a second list).  ``picks``: op -> what it runs, in words."""
 
-    def __init__(self, picks: Dict[str, Backend]):
-        self.picks = {op: b.name for op, b in picks.items()}
-        super().__init__("auto", {op: getattr(b, op) for op, b in picks.items()},
-                         probe=lambda device: (True, "each op from an available backend"))
+    def __init__(self, few: Dict[str, Backend], many: Dict[str, Tuple[int, Backend]]):
+        ops, self.picks = {}, {}
+        for op, b in few.items():
+            ops[op], self.picks[op] = getattr(b, op), b.name
+            if op in many and many[op][1] is not b:
+                max_k, mb = many[op]
+                ops[op] = _by_chunks(max_k, getattr(b, op), getattr(mb, op))
+                self.picks[op] = f"{b.name} (k <= {max_k}), {mb.name} (k > {max_k})"
+        super().__init__("auto", ops, probe=lambda device: (True, "each op from an available backend"))
 
     def __repr__(self):
         return f"AutoBackend({self.picks})"
@@ -173,24 +207,25 @@ def _auto_backend(device: torch.device) -> Backend:
             raise RuntimeError(f"no sdp4bit kernel backend can run on {device}: torch: {why}")
         return b
     tried: Dict[str, Tuple[Optional[Backend], str]] = {}
-    picks = {}
-    for op in OP_NAMES:
-        for cand in AUTO_ORDER[op]:
+
+    def first(op: str, order: Tuple[str, ...]) -> Backend:
+        for cand in order:
             if cand not in tried:
                 tried[cand] = _try(cand, device)
             if tried[cand][0] is not None:
-                picks[op] = tried[cand][0]
-                break
-        else:
-            reasons = "; ".join(f"{n}: {why}" for n, (_, why) in tried.items())
-            raise RuntimeError(f"no sdp4bit kernel backend can run {op} on {device}: {reasons}")
-    b = AutoBackend(picks)
+                return tried[cand][0]
+        reasons = "; ".join(f"{n}: {why}" for n, (_, why) in tried.items())
+        raise RuntimeError(f"no sdp4bit kernel backend can run {op} on {device}: {reasons}")
+
+    few = {op: first(op, AUTO_ORDER[op]) for op in OP_NAMES}
+    many = {op: (max_k, first(op, order)) for op, (max_k, order) in AUTO_ORDER_MANY_CHUNKS.items()}
+    b = AutoBackend(few, many)
     key = (tuple(sorted(b.picks.items())), device.type)
     if key not in _ANNOUNCED:
         _ANNOUNCED.add(key)
         skipped = "; ".join(f"{n}: {why}" for n, (bk, why) in tried.items() if bk is None)
         logger.info("sdp4bit kernel_backend=auto on %s: %s%s", device.type,
-                    ", ".join(f"{op}={n}" for op, n in b.picks.items()),
+                    "; ".join(f"{op}={n}" for op, n in b.picks.items()),
                     f" (unavailable: {skipped})" if skipped else "")
     return b
 
@@ -199,7 +234,7 @@ def get_backend(name: str = "auto", device="cpu") -> Backend:
     """The backend to use for tensors on ``device``.
 
     ``auto``: on CUDA devices each op from the first available backend of its ``AUTO_ORDER`` list (the fastest
-    measured); anything else gets torch.  A named backend that cannot run on ``device`` raises
+    measured; for op 3 by chunk count, ``AUTO_ORDER_MANY_CHUNKS``); anything else gets torch.  A named backend that cannot run on ``device`` raises
     ``RuntimeError`` naming the reason (never a silent fallback).
     """
     if name not in BACKEND_NAMES and name not in _FACTORIES:

@@ -418,18 +418,27 @@ def test_side_stream_no_sync_no_alloc(cb, name):
 
 def test_auto_backend_picks_per_op(cb):
     """auto on a GPU: each op from the first backend of its AUTO_ORDER that runs here (both compiled ones do
-    wherever Triton is installed, so the picks mix them)."""
+    wherever Triton is installed, so the picks mix them); op 3 by chunk count (tests/test_ops.py checks the
+    routing with stand-in backends)."""
     dev = torch.device("cuda")
     b = ops.get_backend("auto", dev)
-    for op, order in ops.AUTO_ORDER.items():
-        want = nb = None
+
+    def first(order):
         for n in order:
             try:
-                nb = ops.get_backend(n, dev)
+                return n, ops.get_backend(n, dev)
             except RuntimeError:
                 continue
-            want = n
-            break
+        raise AssertionError(f"nothing of {order} runs here")
+
+    for op, order in ops.AUTO_ORDER.items():
+        want, nb = first(order)
+        if op in ops.AUTO_ORDER_MANY_CHUNKS:
+            max_k, many_order = ops.AUTO_ORDER_MANY_CHUNKS[op]
+            many = first(many_order)[0]
+            if many != want:
+                assert b.picks[op] == f"{want} (k <= {max_k}), {many} (k > {max_k})", op
+                continue
         assert b.picks[op] == want and getattr(b, op) is getattr(nb, op), op
     assert ops.get_backend("cuda", "cuda").name == "cuda"
     ok, why = cb.available(torch.device("cpu"))

@@ -1,7 +1,7 @@
 """Op dispatch (``deepspeed_sdp4bit.ops``) on a CPU machine: ``auto``'s per-op choice, with stand-in backends.
 
 The stand-ins say whether they run on a device through the same probe a real backend has; their ops are the
-torch backend's, tagged with the backend's name, so the test can see which backend an ``auto`` op came from.
+torch backend's, and each call records the stand-in's name, so a test sees which backend an ``auto`` op ran.
 """
 
 from __future__ import annotations
@@ -14,13 +14,16 @@ import torch
 from deepspeed_sdp4bit import ops
 
 
+CALLS = []
+
+
 def _stand_in(name, runs_on_cuda):
     def tagged(op):
         f = getattr(ops.TORCH_BACKEND, op)
 
         def call(*args, **kwargs):
+            CALLS.append(name)
             return f(*args, **kwargs)
-        call.backend = name
         return call
 
     def probe(device):
@@ -44,21 +47,49 @@ def registry(monkeypatch):
     return install
 
 
-def _origin(backend, op):
-    return getattr(getattr(backend, op), "backend", "torch")
+def _inputs(op, k=2):
+    """Small valid CPU arguments of ``op`` (op 2 and op 3 with k chunks)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, generator=g)
+    if op == "hadamard_quantize":
+        return (x, 4, 128, 32)
+    if op in ("dequant_sum_requant", "dequant_sum_inverse_hadamard"):
+        p, s = ops.TORCH_BACKEND.hadamard_quantize(torch.randn(k * 256, generator=g), 4, 128, None)
+        rest = (4, 4, 128) if op == "dequant_sum_requant" else (4, 128, 32)
+        return (p.view(k, -1), s.view(k, -1)) + rest
+    if op == "weight_delta_quantize":
+        return (x, x.bfloat16(), 4, 128)
+    p, s = ops.TORCH_BACKEND.hadamard_quantize(x, 4, 128, None)
+    return (x.bfloat16(), p, s, 4, 128)
+
+
+def _ran(backend, op, k=2):
+    """The backend whose op ran when ``backend``'s op was called (with k chunks for ops 2 and 3)."""
+    CALLS.clear()
+    getattr(backend, op)(*_inputs(op, k))
+    return CALLS[0] if CALLS else "torch"
+
+
+def _runs(order, runs):
+    return next(n for n in order if runs[n])
 
 
 def test_auto_picks_each_op_from_its_order(registry, caplog):
     registry()
     with caplog.at_level(logging.INFO, logger="deepspeed_sdp4bit"):
         b = ops.get_backend("auto", torch.device("cuda"))
-    want = {op: order[0] for op, order in ops.AUTO_ORDER.items()}
-    assert b.name == "auto" and b.picks == want
-    assert {op: _origin(b, op) for op in ops.OP_NAMES} == want
-    assert set(want.values()) == {"cuda", "triton"}  # the list mixes the two compiled backends
+    assert b.name == "auto"
+    first = {op: order[0] for op, order in ops.AUTO_ORDER.items()}
+    assert {op: _ran(b, op) for op in ops.OP_NAMES} == first
+    assert set(first.values()) == {"cuda", "triton"}  # the list mixes the two compiled backends
+    op3 = "dequant_sum_inverse_hadamard"
+    max_k, many = ops.AUTO_ORDER_MANY_CHUNKS[op3]
+    assert many[0] != first[op3]  # a different backend above max_k chunks
+    assert _ran(b, op3, max_k) == first[op3] and _ran(b, op3, max_k + 1) == many[0]
     said = " ".join(r.getMessage() for r in caplog.records)
-    for op, name in want.items():
+    for op, name in b.picks.items():
         assert f"{op}={name}" in said  # says which
+    assert f"{op3}={first[op3]} (k <= {max_k}), {many[0]} (k > {max_k})" in said
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="deepspeed_sdp4bit"):
         ops.get_backend("auto", torch.device("cuda"))
@@ -72,11 +103,44 @@ def test_auto_falls_back_per_op(registry, caplog, cuda, triton):
         b = ops.get_backend("auto", torch.device("cuda"))
     runs = {"cuda": cuda, "triton": triton, "torch": True}
     for op in ops.OP_NAMES:
-        want = next(n for n in ops.AUTO_ORDER[op] if runs[n])
-        assert b.picks[op] == want and _origin(b, op) == want, op
+        assert _ran(b, op) == _runs(ops.AUTO_ORDER[op], runs), op
+    for op, (max_k, order) in ops.AUTO_ORDER_MANY_CHUNKS.items():
+        assert _ran(b, op, max_k + 1) == _runs(order, runs), op
+        if _runs(order, runs) == _runs(ops.AUTO_ORDER[op], runs):
+            assert getattr(b, op) is getattr(ops.get_backend(_runs(order, runs), torch.device("cuda")), op)
     said = " ".join(r.getMessage() for r in caplog.records)
     for name in ("cuda", "triton"):
         assert (f"stand-in {name} cannot run" in said) == (not runs[name])  # says why one was skipped
+
+
+def test_auto_by_chunks_passes_bad_input_to_the_op_that_reports_it(registry):
+    """The chunk-count dispatch never fails on its own: bad payloads reach the first backend, which names them."""
+    registry()
+    b = ops.get_backend("auto", torch.device("cuda"))
+    op3 = "dequant_sum_inverse_hadamard"
+    for bad, err, what in ((torch.zeros(3, dtype=torch.uint8), ValueError, "payloads must be 2-D"),
+                           ([[1, 2]], TypeError, "payloads must be a torch.Tensor")):
+        CALLS.clear()
+        with pytest.raises(err, match=what):
+            b.dequant_sum_inverse_hadamard(bad, torch.ones(1), 4, 128, 32)
+        assert CALLS == [ops.AUTO_ORDER[op3][0]]
+
+
+@pytest.mark.parametrize("op", ops.OP_NAMES)
+def test_torch_backend_rejects_what_the_kernels_reject(op):
+    """The torch backend runs the kernel backends' shared checks: inputs the reference alone would compute with
+    (or fail on deep inside) get the kernels' message naming the argument."""
+    args = list(_inputs(op))
+    if op == "hadamard_quantize":
+        args[0], what = args[0].int(), "x must be float32, float16 or bfloat16"
+    elif op in ("dequant_sum_requant", "dequant_sum_inverse_hadamard"):
+        args[0], what = args[0].reshape(-1), "payloads must be 2-D"
+    elif op == "weight_delta_quantize":
+        args[0], what = args[0][:128], "master has 128 elements but replica has 256"
+    else:
+        args[2], what = args[2][:1], "needs 2 scales"
+    with pytest.raises((TypeError, ValueError), match=what):
+        getattr(ops.TORCH_BACKEND, op)(*args)
 
 
 def test_auto_on_cpu_is_torch(registry):
@@ -88,16 +152,20 @@ def test_auto_results_match_torch(registry):
     """A mixed backend is the ops it picked: same results as the torch backend on the same inputs."""
     registry()
     b = ops.get_backend("auto", torch.device("cuda"))
-    x = torch.randn(4 * 256, generator=torch.Generator().manual_seed(3))
-    got = b.hadamard_quantize(x, 4, 256, 32, "stochastic", 11, 0, (2, 2))
-    want = ops.TORCH_BACKEND.hadamard_quantize(x, 4, 256, 32, "stochastic", 11, 0, (2, 2))
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for op in ops.OP_NAMES:
+        for k in (2, 5) if op == "dequant_sum_inverse_hadamard" else (2,):
+            args = _inputs(op, k)
+            got = getattr(b, op)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+            want = getattr(ops.TORCH_BACKEND, op)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+            got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), (op, k)
 
 
 def test_auto_order_covers_every_op_and_ends_in_torch():
-    assert set(ops.AUTO_ORDER) == set(ops.OP_NAMES)
-    for op, order in ops.AUTO_ORDER.items():
-        assert order[-1] == "torch" and set(order) == {"cuda", "triton", "torch"}, op
+    assert set(ops.AUTO_ORDER) == set(ops.OP_NAMES) and set(ops.AUTO_ORDER_MANY_CHUNKS) <= set(ops.OP_NAMES)
+    orders = list(ops.AUTO_ORDER.values()) + [o for _, o in ops.AUTO_ORDER_MANY_CHUNKS.values()]
+    for order in orders:
+        assert order[-1] == "torch" and set(order) == {"cuda", "triton", "torch"}, order
 
 
 def test_named_backend_that_cannot_run_is_an_error(registry):
