@@ -63,7 +63,12 @@ def main(argv=None):
     ap.add_argument("--row-pad", type=int, default=0,
                     help="bytes between the chunks' payload rows (Triton only: the CUDA binding takes contiguous "
                          "chunks and would copy)")
+    ap.add_argument("--op2-row", type=int, default=None,
+                    help="Triton op 2's row length, 32 or 64 (triton_backend._OP2_ROW)")
     args = ap.parse_args(argv)
+    if args.op2_row is not None:
+        from deepspeed_sdp4bit.kernels import triton_backend
+        triton_backend._OP2_ROW = args.op2_row
     if args.row_pad and "cuda" in args.backends.split(","):
         ap.error("--row-pad needs --backends triton (the CUDA binding would copy strided chunks)")
     if args.triton_loop or args.op3_ptx_min_k is not None:

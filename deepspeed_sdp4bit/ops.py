@@ -234,8 +234,8 @@ def get_backend(name: str = "auto", device="cpu") -> Backend:
     """The backend to use for tensors on ``device``.
 
     ``auto``: on CUDA devices each op from the first available backend of its ``AUTO_ORDER`` list (the fastest
-    measured; for op 3 by chunk count, ``AUTO_ORDER_MANY_CHUNKS``); anything else gets torch.  A named backend that cannot run on ``device`` raises
-    ``RuntimeError`` naming the reason (never a silent fallback).
+    measured; for op 3 by chunk count, ``AUTO_ORDER_MANY_CHUNKS``); anything else gets torch.  A named backend
+    that cannot run on ``device`` raises ``RuntimeError`` naming the reason (never a silent fallback).
     """
     if name not in BACKEND_NAMES and name not in _FACTORIES:
         raise ValueError(f"sdp4bit.kernel_backend must be one of {BACKEND_NAMES}, got {name!r}")

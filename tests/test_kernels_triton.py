@@ -48,13 +48,14 @@ def backend(device):
 @contextlib.contextmanager
 def tiles(elems):
     """Temporarily set the elements per program (None: the backend's defaults) to force several programs."""
-    saved = (T._INTERP_TILE, T._GPU_TILE)
+    saved = (T._INTERP_TILE, T._GPU_TILE, T._GPU_ROWS)
     if elems is not None:
         T._INTERP_TILE = T._GPU_TILE = elems
+        T._GPU_ROWS = max(1, elems // 32)  # the row kernels: still a warp of rows at least (see _rows_plan)
     try:
         yield
     finally:
-        T._INTERP_TILE, T._GPU_TILE = saved
+        T._INTERP_TILE, T._GPU_TILE, T._GPU_ROWS = saved
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -276,25 +277,29 @@ def test_hadamard_quantize_counters_above_2_32(backend, device):
 # ----------------------------------------------------------------------------------------------------------
 # op 2: dequant_sum_requant
 # ----------------------------------------------------------------------------------------------------------
-# (k, group_size, out_group_size, input groups, chunk source, tile)
+# (k, group_size, out_group_size, input groups, chunk source, tile, counter offset)
+# Op 2's row kernel takes rows of 64 where both group sizes allow it (else 32); an offset that is a multiple of
+# the row length takes its aligned counter hashing, another even one the general pair hashing, an odd one the
+# grouped kernel.
 DSR_CASES = [
-    (1, 64, None, 1, "quantized", None),
-    (3, 64, None, 7, "quantized", SMALL_TILE),
-    (3, 64, 32, 3, "quantized", None),
-    (2, 32, 96, 7, "random", SMALL_TILE),  # m = 224 -> 3 output groups, the last one zero-padded
-    (4, 64, 128, 3, "random", None),  # m = 192 -> 2 output groups, padded
-    (9, 64, None, 2, "quantized", None),  # more chunks than op 2's row kernel unrolls: its run-time loop
+    (1, 64, None, 1, "quantized", None, 0),
+    (3, 64, None, 7, "quantized", SMALL_TILE, 999),
+    (3, 64, 32, 3, "quantized", None, 1998),
+    (2, 32, 96, 7, "random", SMALL_TILE, 2997),  # m = 224 -> 3 output groups, the last one zero-padded
+    (4, 64, 128, 3, "random", None, 3996),  # m = 192 -> 2 output groups, padded
+    (9, 64, None, 2, "quantized", None, 4995),  # more chunks than op 2's row kernel unrolls: its run-time loop
+    (2, 128, None, 9, "random", SMALL_TILE, 640),  # rows of 64, aligned counters, several programs
+    (3, 64, 128, 8, "random", SMALL_TILE, 96),  # rows of 64, even offset not a multiple of 64
 ]
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 8), (8, 8), (4, 4)])
 def test_dequant_sum_requant_matches_reference(backend, device, in_bits, out_bits, rounding):
-    for ci, (k, gs, ogs, ng, source, tile) in enumerate(DSR_CASES):
+    for ci, (k, gs, ogs, ng, source, tile, offset) in enumerate(DSR_CASES):
         m = gs * ng
         make = quantized_chunks if source == "quantized" else random_chunks
         payloads, scales = make(k, m, in_bits, gs, seed=7 * ci + in_bits)
-        offset = 999 * ci
         want_p, want_s = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, gs, rounding, KEY,
                                                offset, ogs)
         with tiles(tile):
