@@ -38,8 +38,9 @@ Launch shape
 Ops 1-3 first try the *row kernels*: a program owns R rows of B consecutive elements (B = the Hadamard size,
 or 32 without a transform; op 2: 64 where both group sizes are multiples of 64, else 32), one row per thread on
 GPUs, held as a tuple of [R, 8] slabs so that a whole row stays in one thread's registers (butterfly, group
-maximum and rounding without shared memory or shuffles).  They apply when a group is a power-of-two number of rows, a swizzle segment holds whole rows and,
-for stochastic rounding, the offset is even with every pair index below 2**32 (``_rows_plan``,
+maximum and rounding without shared memory or shuffles).  They apply when a group is a power-of-two number of
+rows, a swizzle segment holds whole rows and, for stochastic rounding, the offset is even with every pair index
+below 2**32 (``_rows_plan``,
 ``_pairs_fit``); everything else (odd offsets, groups such as 96, Hadamard sizes above 64, counters past
 2**33) takes the general kernels below, which the tests cover as well.  Op 2's row kernel also compiles the
 chunk count k in when k <= 8 (``_unrolled_chunks``), so that all chunks' loads are issued first.
