@@ -63,12 +63,13 @@ def main(argv=None):
     ap.add_argument("--row-pad", type=int, default=0,
                     help="bytes between the chunks' payload rows (Triton only: the CUDA binding takes contiguous "
                          "chunks and would copy)")
-    ap.add_argument("--op2-row", type=int, default=None,
-                    help="Triton op 2's row length, 32 or 64 (triton_backend._OP2_ROW)")
+    ap.add_argument("--op2-row64-max-k", type=int, default=None,
+                    help="Triton op 2 takes rows of 64 elements up to this many chunks, 32 above "
+                         "(triton_backend._OP2_ROW64_MAX_K; 0: never, 8: always)")
     args = ap.parse_args(argv)
-    if args.op2_row is not None:
+    if args.op2_row64_max_k is not None:
         from deepspeed_sdp4bit.kernels import triton_backend
-        triton_backend._OP2_ROW = args.op2_row
+        triton_backend._OP2_ROW64_MAX_K = args.op2_row64_max_k
     if args.row_pad and "cuda" in args.backends.split(","):
         ap.error("--row-pad needs --backends triton (the CUDA binding would copy strided chunks)")
     if args.triton_loop or args.op3_ptx_min_k is not None:

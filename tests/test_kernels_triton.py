@@ -253,6 +253,9 @@ def test_row_kernel_plan():
     assert plan(32, 96, 64) is None  # 3 rows per group: not a power of two
     assert plan(64, 32, 64) is None  # groups smaller than a row
     assert [T._unrolled_chunks(k) for k in (1, 2, 8, 9)] == [1, 2, 8, 0]  # op 2's chunk loop unrolled up to 8
+    # op 2's row length: 64 up to 2 chunks where both group sizes are multiples of 64
+    assert [T._op2_row(k, 128, 128) for k in (1, 2, 3, 8)] == [64, 64, 32, 32]
+    assert T._op2_row(2, 64, 32) == 32 and T._op2_row(2, 32, 128) == 32
     if not T._INTERPRETED:  # on GPUs a program has at least a warp of rows, one per thread
         assert plan(32, 64, 3) == (32, 2, 1)
         assert plan(32, 128, 1 << 20) == (T._GPU_ROWS, 4, T._GPU_ROWS // 32)  # rows per program, one per thread
@@ -278,9 +281,9 @@ def test_hadamard_quantize_counters_above_2_32(backend, device):
 # op 2: dequant_sum_requant
 # ----------------------------------------------------------------------------------------------------------
 # (k, group_size, out_group_size, input groups, chunk source, tile, counter offset)
-# Op 2's row kernel takes rows of 64 where both group sizes allow it (else 32); an offset that is a multiple of
-# the row length takes its aligned counter hashing, another even one the general pair hashing, an odd one the
-# grouped kernel.
+# Op 2's row kernel takes rows of 64 for up to 2 chunks where both group sizes allow it (else 32); an offset that
+# is a multiple of the row length takes its aligned counter hashing, another even one the general pair hashing,
+# an odd one the grouped kernel.
 DSR_CASES = [
     (1, 64, None, 1, "quantized", None, 0),
     (3, 64, None, 7, "quantized", SMALL_TILE, 999),
@@ -289,7 +292,8 @@ DSR_CASES = [
     (4, 64, 128, 3, "random", None, 3996),  # m = 192 -> 2 output groups, padded
     (9, 64, None, 2, "quantized", None, 4995),  # more chunks than op 2's row kernel unrolls: its run-time loop
     (2, 128, None, 9, "random", SMALL_TILE, 640),  # rows of 64, aligned counters, several programs
-    (3, 64, 128, 8, "random", SMALL_TILE, 96),  # rows of 64, even offset not a multiple of 64
+    (1, 64, 128, 8, "random", SMALL_TILE, 96),  # rows of 64, even offset not a multiple of 64
+    (3, 128, None, 4, "random", SMALL_TILE, 640),  # 3 chunks: rows of 32 again
 ]
 
 

@@ -36,7 +36,7 @@ How bit-exactness with the reference is kept
 Launch shape
 ------------
 Ops 1-3 first try the *row kernels*: a program owns R rows of B consecutive elements (B = the Hadamard size,
-or 32 without a transform; op 2: 64 where both group sizes are multiples of 64, else 32), one row per thread on
+or 32 without a transform; op 2: 64 for up to 2 chunks where the group sizes allow, else 32), one row per thread on
 GPUs, held as a tuple of [R, 8] slabs so that a whole row stays in one thread's registers (butterfly, group
 maximum and rounding without shared memory or shuffles).  They apply when a group is a power-of-two number of
 rows, a swizzle segment holds whole rows and, for stochastic rounding, the offset is even with every pair index
@@ -890,11 +890,18 @@ _UNROLL_CHUNKS = True
 _MAX_UNROLLED_CHUNKS = 8
 
 
-# Op 2's row length (elements per thread) where both group sizes are multiples of it, else 32.  Rows of 64 spread
-# each thread's fixed work (group scale, addresses) over twice the elements: 22.4 instead of 25.7 SASS
-# instructions per element at k = 2, 31.6 instead of 35.0 at k = 4 (sm_90, 96 and 127 registers instead of 56
-# and 64).
-_OP2_ROW = 64
+# Op 2's rows are 64 elements long for up to this many chunks (where both group sizes are multiples of 64), else
+# 32.  Rows of 64 spread a thread's fixed work (group scale, addresses) over twice the elements: 22.4 instead of
+# 25.7 SASS instructions per element at k = 2 (sm_90; 96 registers instead of 56), and on an H200 op 2 at k = 2
+# ran 72.7% instead of 68.1% of copy at 512 MiB (69.5 vs 66.2 at 128, 65.2 vs 64.9 at 64 MiB).  With more chunks
+# the registers run out (127 at k = 4) and rows of 64 lost: 78.3 vs 83.5% at k = 4, 82.0 vs 92.4% at k = 8
+# (benchmarks/results/triton_op2_rows/).
+_OP2_ROW64_MAX_K = 2
+
+
+def _op2_row(k: int, group_size: int, out_group_size: int) -> int:
+    """Op 2's row length for k chunks and these group sizes."""
+    return 64 if k <= _OP2_ROW64_MAX_K and group_size % 64 == 0 and out_group_size % 64 == 0 else 32
 
 
 def _unrolled_chunks(k: int) -> int:
@@ -1040,7 +1047,7 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
     if ngroups == 0:
         return payload, oscales
     in_view = payloads.view(torch.int8) if in_bits == 8 else payloads
-    b = _OP2_ROW if group_size % _OP2_ROW == 0 and ogs % _OP2_ROW == 0 else 32
+    b = _op2_row(k, group_size, ogs)
     plan = (_rows_plan(b, ogs, m_pad // b) if group_size % b == 0 and _pairs_fit(stoch, int(offset), m_pad)
             else None)
     if plan is not None:
