@@ -66,7 +66,18 @@ def main(argv=None):
     ap.add_argument("--op2-row64-max-k", type=int, default=None,
                     help="Triton op 2 takes rows of 64 elements up to this many chunks, 32 above "
                          "(triton_backend._OP2_ROW64_MAX_K; 0: never, 8: always)")
+    ap.add_argument("--op2-persist", type=int, default=None,
+                    help="Triton op 2 as the persistent kernel (1) or one program per tile (0) "
+                         "(triton_backend._OP2_PERSIST)")
+    ap.add_argument("--op2-pps", type=int, default=None,
+                    help="the persistent op 2's programs per SM (triton_backend._OP2_PROGRAMS_PER_SM)")
     args = ap.parse_args(argv)
+    if args.op2_persist is not None or args.op2_pps is not None:
+        from deepspeed_sdp4bit.kernels import triton_backend
+        if args.op2_persist is not None:
+            triton_backend._OP2_PERSIST = bool(args.op2_persist)
+        if args.op2_pps is not None:
+            triton_backend._OP2_PROGRAMS_PER_SM = args.op2_pps
     if args.op2_row64_max_k is not None:
         from deepspeed_sdp4bit.kernels import triton_backend
         triton_backend._OP2_ROW64_MAX_K = args.op2_row64_max_k

@@ -749,6 +749,103 @@ def _hadamard_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, nrows, rows, cols,
                          offset, ubits, R, A, GB, BITS, QMAX, STOCH, ALIGNED)
 
 
+@triton.jit
+def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, R: tl.constexpr, A: tl.constexpr,
+                     IN_GS: tl.constexpr, K: tl.constexpr):
+    """The 8-bit codes (as int32 words: loop-carried bytes would take a register each) and the scales of rows
+    ``blk0 + r`` of all K chunks: a tuple over chunks of (tuple of A [R, 2] word slabs, [R, 1] scales); rows
+    outside ``rmask`` load zeros.  ``p_ptr``/``p_stride`` in int32 words."""
+    B: tl.constexpr = A * 8
+    p_ptr += blk0 * (B // 4)
+    sg = (blk0 + r) * B // IN_GS
+    col = tl.arange(0, 2)[None, :]
+    mask = rmask[:, None] & (col >= 0)
+    out = ()
+    for _ in tl.static_range(K):
+        words = ()
+        for a in tl.static_range(A):
+            words = words + (tl.load(p_ptr + (r[:, None] * (B // 4) + a * 2 + col), mask=mask, other=0),)
+        out = out + ((words, tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]),)
+        p_ptr += p_stride
+        s_ptr += s_stride
+    return out
+
+
+@triton.jit
+def _decode_words(w, R: tl.constexpr, PTX: tl.constexpr):
+    """fp32 codes [R, 8] of a [R, 2] slab of 8-bit code words (byte i of word j: element 4j + i)."""
+    if PTX:
+        b0, b1, b2, b3 = _ptx_decode_word(w)
+    else:
+        x = w ^ -0x7F7F7F80  # 0x80808080: flip each code's sign bit
+        b0 = (x & 0xFF) | 0x4B000000
+        b1 = ((x >> 8) & 0xFF) | 0x4B000000
+        b2 = ((x >> 16) & 0xFF) | 0x4B000000
+        b3 = ((x >> 24) & 0xFF) | 0x4B000000
+    even = tl.reshape(tl.join(b0, b2), [R, 4])  # elements 0, 2, 4, 6
+    odd = tl.reshape(tl.join(b1, b3), [R, 4])
+    c = tl.reshape(tl.join(even, odd), [R, 8])
+    return c.to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
+
+
+@triton.jit
+def _ptx_decode_word(w):
+    """int32 words of 4 int8 codes -> bits of 2**23 + 128 + code for each byte (4 int32 outputs)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 x, e;
+        xor.b32 x, $4, 0x80808080;
+        mov.b32 e, 0x4B;
+        prmt.b32 $0, x, e, 0x4550;
+        prmt.b32 $1, x, e, 0x4551;
+        prmt.b32 $2, x, e, 0x4552;
+        prmt.b32 $3, x, e, 0x4553;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
+        pack=1)
+
+
+@triton.jit
+def _sum_rows_words(raw, R: tl.constexpr, A: tl.constexpr, PTX: tl.constexpr, K: tl.constexpr):
+    """The fp32 chunk sum (tuple of A [R, 8] slabs) of codes loaded by _load_rows_words, in chunk order."""
+    acc = ()
+    for a in tl.static_range(A):
+        acc = acc + (_decode_words(raw[0][0][a], R, PTX) * raw[0][1],)
+    for j in tl.static_range(1, K):
+        d = ()
+        for a in tl.static_range(A):
+            d = d + (_decode_words(raw[j][0][a], R, PTX) * raw[j][1],)
+        acc = _add_rows(acc, d, A)
+    return acc
+
+
+@triton.jit(do_not_specialize=_ROWS_NO_SPEC)
+def _dequant_sum_requant_persistent_kernel(p_ptr, p_stride, s_ptr, s_stride, in_rows, out_ptr, oscale_ptr, nrows,
+                                           ntiles, key, offset, ubits, A: tl.constexpr, R: tl.constexpr,
+                                           GB: tl.constexpr, IN_GS: tl.constexpr, IN_BITS: tl.constexpr,
+                                           BITS: tl.constexpr, QMAX: tl.constexpr, STOCH: tl.constexpr,
+                                           ALIGNED: tl.constexpr, K: tl.constexpr):
+    """Op 2 over tiles of R rows, a program per few tiles: the next tile's codes load while this one computes."""
+    B: tl.constexpr = A * 8
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    r = tl.arange(0, R)
+    tile = pid
+    raw = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, tile.to(tl.int64) * R, r,
+                           tile.to(tl.int64) * R + r < in_rows, R, A, IN_GS, K)
+    while tile < ntiles:
+        nxt = tile + nprog
+        nblk = nxt.to(tl.int64) * R
+        raw_next = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, nblk, r, nblk + r < in_rows, R, A, IN_GS,
+                                    K)
+        blk0 = tile.to(tl.int64) * R
+        xs = _sum_rows_words(raw, R, A, _PTX_DECODE, K)
+        _quantize_store_rows(xs, out_ptr + blk0 * (B * BITS // 8), oscale_ptr, tile, blk0, r, blk0 + r < nrows,
+                             nrows, key, offset, ubits, R, A, GB, BITS, QMAX, STOCH, ALIGNED)
+        raw = raw_next
+        tile = nxt
+
+
 @triton.jit(do_not_specialize=_ROWS_NO_SPEC)
 def _dequant_sum_requant_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, k, in_rows, out_ptr, oscale_ptr, nrows,
                                      key, offset, ubits, A: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
@@ -904,6 +1001,24 @@ def _op2_row(k: int, group_size: int, out_group_size: int) -> int:
     return 64 if k <= _OP2_ROW64_MAX_K and group_size % 64 == 0 and out_group_size % 64 == 0 else 32
 
 
+# Op 2 (8-bit input, k <= 8) as a persistent kernel: a few programs per SM, each looping over tiles and loading the
+# next tile while it computes this one (A/B switch and programs per SM; under the interpreter a few programs, so
+# that the loop runs).
+_OP2_PERSIST = True
+_OP2_PERSIST_MAX_K = 4  # (k = 8 takes 255 registers: too few programs fit an SM)
+_OP2_PROGRAMS_PER_SM = 8
+_SM_COUNT = {}
+
+
+def _persistent_programs(device: torch.device) -> int:
+    if _INTERPRETED:
+        return 3
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx] * _OP2_PROGRAMS_PER_SM
+
+
 def _unrolled_chunks(k: int) -> int:
     """Op 2's row kernel: the compile-time chunk count K for k chunks, 0 for the run-time loop."""
     return int(k) if _UNROLL_CHUNKS and 1 <= k <= _MAX_UNROLLED_CHUNKS else 0
@@ -1052,6 +1167,17 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
             else None)
     if plan is not None:
         rows_pp, gb, nw = plan
+        kk = _unrolled_chunks(k)
+        if (_OP2_PERSIST and in_bits == 8 and 0 < kk <= _OP2_PERSIST_MAX_K and payloads.data_ptr() % 4 == 0
+                and payloads.stride(0) % 4 == 0):
+            ntiles = triton.cdiv(m_pad // b, rows_pp)
+            words = payloads.view(torch.int32)
+            _launch(_dequant_sum_requant_persistent_kernel, (min(ntiles, _persistent_programs(device)),),
+                    words, words.stride(0), scales, scales.stride(0), m // b, _code_view(payload, out_bits),
+                    oscales.view(-1), m_pad // b, ntiles, _key_i32(key), int(offset), _UBITS, num_warps=nw,
+                    A=b // 8, R=rows_pp, GB=gb, IN_GS=group_size, IN_BITS=in_bits, BITS=out_bits,
+                    QMAX=qmax, STOCH=stoch, ALIGNED=stoch and int(offset) % b == 0, K=kk)
+            return payload, oscales
         _launch(_dequant_sum_requant_rows_kernel, (triton.cdiv(m_pad // b, rows_pp),),
                 in_view, payloads.stride(0), scales, scales.stride(0), k, m // b, _code_view(payload, out_bits),
                 oscales.view(-1), m_pad // b, _key_i32(key), int(offset), _UBITS, num_warps=nw,
