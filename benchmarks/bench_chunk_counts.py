@@ -71,7 +71,12 @@ def main(argv=None):
                          "(triton_backend._OP2_PERSIST)")
     ap.add_argument("--op2-pps", type=int, default=None,
                     help="the persistent op 2's programs per SM (triton_backend._OP2_PROGRAMS_PER_SM)")
+    ap.add_argument("--triton-rows", type=int, default=None,
+                    help="Triton row kernels' rows per program (triton_backend._GPU_ROWS)")
     args = ap.parse_args(argv)
+    if args.triton_rows is not None:
+        from deepspeed_sdp4bit.kernels import triton_backend
+        triton_backend._GPU_ROWS = args.triton_rows
     if args.op2_persist is not None or args.op2_pps is not None:
         from deepspeed_sdp4bit.kernels import triton_backend
         if args.op2_persist is not None:
