@@ -48,14 +48,15 @@ def backend(device):
 @contextlib.contextmanager
 def tiles(elems):
     """Temporarily set the elements per program (None: the backend's defaults) to force several programs."""
-    saved = (T._INTERP_TILE, T._GPU_TILE, T._GPU_ROWS)
+    saved = (T._INTERP_TILE, T._GPU_TILE, T._GPU_ROWS, T._PERSIST_PROGRAMS)
     if elems is not None:
         T._INTERP_TILE = T._GPU_TILE = elems
         T._GPU_ROWS = max(1, elems // 32)  # the row kernels: still a warp of rows at least (see _rows_plan)
+        T._PERSIST_PROGRAMS = 2  # persistent kernels: programs loop over several tiles on GPUs too
     try:
         yield
     finally:
-        T._INTERP_TILE, T._GPU_TILE, T._GPU_ROWS = saved
+        T._INTERP_TILE, T._GPU_TILE, T._GPU_ROWS, T._PERSIST_PROGRAMS = saved
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -294,6 +295,7 @@ DSR_CASES = [
     (2, 128, None, 9, "random", SMALL_TILE, 640),  # rows of 64, aligned counters, several programs
     (1, 64, 128, 8, "random", SMALL_TILE, 96),  # rows of 64, even offset not a multiple of 64
     (3, 128, None, 4, "random", SMALL_TILE, 640),  # 3 chunks: rows of 32 again
+    (4, 128, None, 32, "random", SMALL_TILE, 256),  # 4 chunks of 8-bit codes: the persistent kernel, tiles looped
 ]
 
 

@@ -1001,18 +1001,23 @@ def _op2_row(k: int, group_size: int, out_group_size: int) -> int:
     return 64 if k <= _OP2_ROW64_MAX_K and group_size % 64 == 0 and out_group_size % 64 == 0 else 32
 
 
-# Op 2 (8-bit input, k <= 8) as a persistent kernel: a few programs per SM, each looping over tiles and loading the
-# next tile while it computes this one (A/B switch and programs per SM; under the interpreter a few programs, so
-# that the loop runs).
+# Op 2 with 8-bit input and k in _OP2_PERSIST_KS as a persistent kernel: 8 programs per SM (all resident at its
+# 128 registers), each looping over tiles and loading the next tile while it computes this one.  With one program
+# per tile, a launch of a few waves loads everything first and computes last; the loop overlaps the two.  On an
+# H200 at k = 4 it ran 78.5 / 82.5 / 84.5% of copy at 64 / 128 / 512 MiB instead of 74 / 78-79 / 83; at k = 2 and 3
+# it was up to 3 points slower (rows of 64 at k = 2: 128 registers) or even, and k = 8 needs 255 registers, so
+# those keep one program per tile (benchmarks/results/triton_op2_persist/).  Under the interpreter a few
+# programs, so that the loop runs.
 _OP2_PERSIST = True
-_OP2_PERSIST_MAX_K = 4  # (k = 8 takes 255 registers: too few programs fit an SM)
+_OP2_PERSIST_KS = (4,)
 _OP2_PROGRAMS_PER_SM = 8
+_PERSIST_PROGRAMS = 3 if _INTERPRETED else 0  # > 0: this many programs (tests set it to loop on GPUs too)
 _SM_COUNT = {}
 
 
 def _persistent_programs(device: torch.device) -> int:
-    if _INTERPRETED:
-        return 3
+    if _PERSIST_PROGRAMS > 0:
+        return _PERSIST_PROGRAMS
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -1168,7 +1173,7 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
     if plan is not None:
         rows_pp, gb, nw = plan
         kk = _unrolled_chunks(k)
-        if (_OP2_PERSIST and in_bits == 8 and 0 < kk <= _OP2_PERSIST_MAX_K and payloads.data_ptr() % 4 == 0
+        if (_OP2_PERSIST and in_bits == 8 and kk in _OP2_PERSIST_KS and payloads.data_ptr() % 4 == 0
                 and payloads.stride(0) % 4 == 0):
             ntiles = triton.cdiv(m_pad // b, rows_pp)
             words = payloads.view(torch.int32)
