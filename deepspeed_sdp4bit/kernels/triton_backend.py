@@ -1173,22 +1173,23 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
     if plan is not None:
         rows_pp, gb, nw = plan
         kk = _unrolled_chunks(k)
-        if (_OP2_PERSIST and in_bits == 8 and kk in _OP2_PERSIST_KS and payloads.data_ptr() % 4 == 0
-                and payloads.stride(0) % 4 == 0):
-            ntiles = triton.cdiv(m_pad // b, rows_pp)
+        ntiles = triton.cdiv(m_pad // b, rows_pp)
+        nprog = _persistent_programs(device) if _OP2_PERSIST else 0
+        # persistent only where each program loops at least twice (with one tile each there is nothing to overlap)
+        if (nprog and 2 * nprog <= ntiles and in_bits == 8 and kk in _OP2_PERSIST_KS
+                and payloads.data_ptr() % 4 == 0 and payloads.stride(0) % 4 == 0):
             words = payloads.view(torch.int32)
-            _launch(_dequant_sum_requant_persistent_kernel, (min(ntiles, _persistent_programs(device)),),
+            _launch(_dequant_sum_requant_persistent_kernel, (nprog,),
                     words, words.stride(0), scales, scales.stride(0), m // b, _code_view(payload, out_bits),
                     oscales.view(-1), m_pad // b, ntiles, _key_i32(key), int(offset), _UBITS, num_warps=nw,
                     A=b // 8, R=rows_pp, GB=gb, IN_GS=group_size, IN_BITS=in_bits, BITS=out_bits,
                     QMAX=qmax, STOCH=stoch, ALIGNED=stoch and int(offset) % b == 0, K=kk)
             return payload, oscales
-        _launch(_dequant_sum_requant_rows_kernel, (triton.cdiv(m_pad // b, rows_pp),),
+        _launch(_dequant_sum_requant_rows_kernel, (ntiles,),
                 in_view, payloads.stride(0), scales, scales.stride(0), k, m // b, _code_view(payload, out_bits),
                 oscales.view(-1), m_pad // b, _key_i32(key), int(offset), _UBITS, num_warps=nw,
                 A=b // 8, R=rows_pp, GB=gb, IN_GS=group_size, IN_BITS=in_bits, BITS=out_bits,
-                QMAX=qmax, STOCH=stoch, ALIGNED=stoch and int(offset) % b == 0,
-                K=_unrolled_chunks(k))
+                QMAX=qmax, STOCH=stoch, ALIGNED=stoch and int(offset) % b == 0, K=kk)
         return payload, oscales
     block_g, gpp = _groups_per_program(ogs, ngroups)
     _launch(_dequant_sum_requant_kernel, (triton.cdiv(ngroups, gpp),),
