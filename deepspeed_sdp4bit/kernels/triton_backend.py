@@ -588,11 +588,9 @@ def _ptx_pack_nibbles(lo, hi, keep):
         constraints="=r,r,r,r,r,r,r,r,r,r", args=[lo, hi, keep], dtype=tl.uint8, is_pure=True, pack=4)
 
 
-@triton.jit
-def _ptx_decode_bytes(b):
-    """int8 codes -> bits of 2**23 + 128 + code (int32): sign flip, then a byte permute under the exponent."""
-    return tl.inline_asm_elementwise(
-        asm="""{
+# 4 int8 codes in one register ($4) -> bits of 2**23 + 128 + code for each ($0..$3): the sign bits flipped, then a
+# byte permute of each under the exponent byte 0x4B.
+_DECODE_BYTES_ASM = tl.constexpr("""{
         .reg .b32 x, e;
         xor.b32 x, $4, 0x80808080;
         mov.b32 e, 0x4B;
@@ -600,7 +598,14 @@ def _ptx_decode_bytes(b):
         prmt.b32 $1, x, e, 0x4551;
         prmt.b32 $2, x, e, 0x4552;
         prmt.b32 $3, x, e, 0x4553;
-        }""",
+        }""")
+
+
+@triton.jit
+def _ptx_decode_bytes(b):
+    """int8 codes -> bits of 2**23 + 128 + code (int32): sign flip, then a byte permute under the exponent."""
+    return tl.inline_asm_elementwise(
+        asm=_DECODE_BYTES_ASM,
         constraints="=r,=r,=r,=r,r", args=[b], dtype=tl.int32, is_pure=True, pack=4)
 
 
@@ -790,17 +795,10 @@ def _decode_words(w, R: tl.constexpr, PTX: tl.constexpr):
 
 @triton.jit
 def _ptx_decode_word(w):
-    """int32 words of 4 int8 codes -> bits of 2**23 + 128 + code for each byte (4 int32 outputs)."""
+    """int32 words of 4 int8 codes -> bits of 2**23 + 128 + code for each byte (4 int32 outputs, byte i in the
+    i-th): the asm of _ptx_decode_bytes, one word per instance."""
     return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 x, e;
-        xor.b32 x, $4, 0x80808080;
-        mov.b32 e, 0x4B;
-        prmt.b32 $0, x, e, 0x4550;
-        prmt.b32 $1, x, e, 0x4551;
-        prmt.b32 $2, x, e, 0x4552;
-        prmt.b32 $3, x, e, 0x4553;
-        }""",
+        asm=_DECODE_BYTES_ASM,
         constraints="=r,=r,=r,=r,r", args=[w], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True,
         pack=1)
 
