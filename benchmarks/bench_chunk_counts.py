@@ -70,10 +70,16 @@ def main(argv=None):
                     help="Triton op 2 as the persistent kernel (1) or one program per tile (0) "
                          "(triton_backend._OP2_PERSIST)")
     ap.add_argument("--op2-pps", type=int, default=None,
-                    help="the persistent op 2's programs per SM (triton_backend._OP2_PROGRAMS_PER_SM)")
+                    help="the persistent op 2's programs per SM (triton_backend._PERSIST_PROGRAMS_PER_SM)")
+    ap.add_argument("--op3-persist-ks", default=None,
+                    help="Triton op 3 as the persistent kernel for these chunk counts (comma separated, '' none; "
+                         "triton_backend._OP3_PERSIST_KS)")
     ap.add_argument("--triton-rows", type=int, default=None,
                     help="Triton row kernels' rows per program (triton_backend._GPU_ROWS)")
     args = ap.parse_args(argv)
+    if args.op3_persist_ks is not None:
+        from deepspeed_sdp4bit.kernels import triton_backend
+        triton_backend._OP3_PERSIST_KS = tuple(int(v) for v in args.op3_persist_ks.split(",") if v)
     if args.triton_rows is not None:
         from deepspeed_sdp4bit.kernels import triton_backend
         triton_backend._GPU_ROWS = args.triton_rows
@@ -82,7 +88,7 @@ def main(argv=None):
         if args.op2_persist is not None:
             triton_backend._OP2_PERSIST = bool(args.op2_persist)
         if args.op2_pps is not None:
-            triton_backend._OP2_PROGRAMS_PER_SM = args.op2_pps
+            triton_backend._PERSIST_PROGRAMS_PER_SM = args.op2_pps
     if args.op2_row64_max_k is not None:
         from deepspeed_sdp4bit.kernels import triton_backend
         triton_backend._OP2_ROW64_MAX_K = args.op2_row64_max_k

@@ -329,6 +329,8 @@ DSIH_CASES = [
     (2, 128, 128, 2, 0.5, "random", None),  # Hadamard size above the row kernels' 64: the general kernel
     (3, 32, 64, 4, 1.0, "quantized", SMALL_TILE),  # groups smaller than a row: the general kernel
     (9, 64, 32, 2, 1.0, "random", None),  # many chunks (op 3's row kernel always loops at run time)
+    (4, 128, 32, 40, 0.5, "random", SMALL_TILE),  # the persistent kernel (k = 4), programs loop over tiles
+    (8, 64, None, 64, 1.0, "quantized", SMALL_TILE),  # the persistent kernel (k = 8), no Hadamard
 ]
 
 

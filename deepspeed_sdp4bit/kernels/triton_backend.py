@@ -609,11 +609,9 @@ def _ptx_decode_bytes(b):
         constraints="=r,=r,=r,=r,r", args=[b], dtype=tl.int32, is_pure=True, pack=4)
 
 
-@triton.jit
-def _ptx_decode_nibbles(b):
-    """uint8 bytes of two int4 codes -> (low, high) bits of 2**23 + 8 + code (int32 each)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
+# 8 int4 codes in one register ($8) -> bits of 2**23 + 8 + code: the low nibbles of bytes 0..3 in $0..$3, the high
+# ones in $4..$7.
+_DECODE_NIBBLES_ASM = tl.constexpr("""{
         .reg .b32 x, ev, od, e;
         xor.b32 x, $8, 0x88888888;
         and.b32 ev, x, 0x0F0F0F0F;
@@ -628,7 +626,14 @@ def _ptx_decode_nibbles(b):
         prmt.b32 $5, od, e, 0x4551;
         prmt.b32 $6, od, e, 0x4552;
         prmt.b32 $7, od, e, 0x4553;
-        }""",
+        }""")
+
+
+@triton.jit
+def _ptx_decode_nibbles(b):
+    """uint8 bytes of two int4 codes -> (low, high) bits of 2**23 + 8 + code (int32 each)."""
+    return tl.inline_asm_elementwise(
+        asm=_DECODE_NIBBLES_ASM,
         constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[b], dtype=(tl.int32, tl.int32), is_pure=True, pack=4)
 
 
@@ -756,20 +761,21 @@ def _hadamard_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, nrows, rows, cols,
 
 @triton.jit
 def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, R: tl.constexpr, A: tl.constexpr,
-                     IN_GS: tl.constexpr, K: tl.constexpr):
-    """The 8-bit codes (as int32 words: loop-carried bytes would take a register each) and the scales of rows
-    ``blk0 + r`` of all K chunks: a tuple over chunks of (tuple of A [R, 2] word slabs, [R, 1] scales); rows
-    outside ``rmask`` load zeros.  ``p_ptr``/``p_stride`` in int32 words."""
+                     IN_GS: tl.constexpr, IN_BITS: tl.constexpr, K: tl.constexpr):
+    """The codes (as int32 words: loop-carried bytes would take a register each) and the scales of rows
+    ``blk0 + r`` of all K chunks: a tuple over chunks of (tuple of A [R, W] word slabs, W = IN_BITS // 4, and
+    [R, 1] scales); rows outside ``rmask`` load zeros.  ``p_ptr``/``p_stride`` in int32 words."""
     B: tl.constexpr = A * 8
-    p_ptr += blk0 * (B // 4)
+    W: tl.constexpr = IN_BITS // 4  # words per slab of 8 codes
+    p_ptr += blk0 * (A * W)
     sg = (blk0 + r) * B // IN_GS
-    col = tl.arange(0, 2)[None, :]
+    col = tl.arange(0, W)[None, :]
     mask = rmask[:, None] & (col >= 0)
     out = ()
     for _ in tl.static_range(K):
         words = ()
         for a in tl.static_range(A):
-            words = words + (tl.load(p_ptr + (r[:, None] * (B // 4) + a * 2 + col), mask=mask, other=0),)
+            words = words + (tl.load(p_ptr + (r[:, None] * (A * W) + a * W + col), mask=mask, other=0),)
         out = out + ((words, tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]),)
         p_ptr += p_stride
         s_ptr += s_stride
@@ -777,20 +783,41 @@ def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, R: tl.con
 
 
 @triton.jit
-def _decode_words(w, R: tl.constexpr, PTX: tl.constexpr):
-    """fp32 codes [R, 8] of a [R, 2] slab of 8-bit code words (byte i of word j: element 4j + i)."""
-    if PTX:
-        b0, b1, b2, b3 = _ptx_decode_word(w)
+def _decode_words(w, R: tl.constexpr, BITS: tl.constexpr, PTX: tl.constexpr):
+    """fp32 codes [R, 8] of a slab of code words: [R, 2] (8-bit: byte i of word j is element 4j + i) or [R, 1]
+    (4-bit: the low nibble of byte i is element 2i, the high one 2i + 1)."""
+    if BITS == 8:
+        if PTX:
+            b0, b1, b2, b3 = _ptx_decode_word(w)
+        else:
+            x = w ^ -0x7F7F7F80  # 0x80808080: flip each code's sign bit
+            b0 = (x & 0xFF) | 0x4B000000
+            b1 = ((x >> 8) & 0xFF) | 0x4B000000
+            b2 = ((x >> 16) & 0xFF) | 0x4B000000
+            b3 = ((x >> 24) & 0xFF) | 0x4B000000
+        even = tl.reshape(tl.join(b0, b2), [R, 4])  # elements 0, 2, 4, 6
+        odd = tl.reshape(tl.join(b1, b3), [R, 4])
+        c = tl.reshape(tl.join(even, odd), [R, 8])
+        return c.to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
     else:
-        x = w ^ -0x7F7F7F80  # 0x80808080: flip each code's sign bit
-        b0 = (x & 0xFF) | 0x4B000000
-        b1 = ((x >> 8) & 0xFF) | 0x4B000000
-        b2 = ((x >> 16) & 0xFF) | 0x4B000000
-        b3 = ((x >> 24) & 0xFF) | 0x4B000000
-    even = tl.reshape(tl.join(b0, b2), [R, 4])  # elements 0, 2, 4, 6
-    odd = tl.reshape(tl.join(b1, b3), [R, 4])
-    c = tl.reshape(tl.join(even, odd), [R, 8])
-    return c.to(tl.float32, bitcast=True) - 8388736.0  # 2**23 + 128
+        if PTX:
+            l0, l1, l2, l3, h0, h1, h2, h3 = _ptx_decode_word_nibbles(w)
+        else:
+            x = w ^ -0x77777778  # 0x88888888: flip each code's sign bit
+            l0 = (x & 0xF) | 0x4B000000
+            h0 = ((x >> 4) & 0xF) | 0x4B000000
+            l1 = ((x >> 8) & 0xF) | 0x4B000000
+            h1 = ((x >> 12) & 0xF) | 0x4B000000
+            l2 = ((x >> 16) & 0xF) | 0x4B000000
+            h2 = ((x >> 20) & 0xF) | 0x4B000000
+            l3 = ((x >> 24) & 0xF) | 0x4B000000
+            h3 = ((x >> 28) & 0xF) | 0x4B000000
+        # nibble n of byte i = 2 b1 + b0 is element 4 b1 + 2 b0 + n.  Each join adds the fastest axis, so the
+        # slowest index is joined first: over b1, then b0, then n -> [R, 1, 2, 2, 2] in (b1, b0, n) order.
+        y0 = tl.join(tl.join(l0, l2), tl.join(l1, l3))
+        y1 = tl.join(tl.join(h0, h2), tl.join(h1, h3))
+        c = tl.reshape(tl.join(y0, y1), [R, 8])
+        return c.to(tl.float32, bitcast=True) - 8388616.0  # 2**23 + 8
 
 
 @triton.jit
@@ -804,15 +831,25 @@ def _ptx_decode_word(w):
 
 
 @triton.jit
-def _sum_rows_words(raw, R: tl.constexpr, A: tl.constexpr, PTX: tl.constexpr, K: tl.constexpr):
+def _ptx_decode_word_nibbles(w):
+    """int32 words of 8 int4 codes -> bits of 2**23 + 8 + code: the low nibbles of bytes 0..3, then the high ones
+    (8 int32 outputs): the asm of _ptx_decode_nibbles, one word per instance."""
+    return tl.inline_asm_elementwise(
+        asm=_DECODE_NIBBLES_ASM, constraints="=r,=r,=r,=r,=r,=r,=r,=r,r", args=[w],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _sum_rows_words(raw, R: tl.constexpr, A: tl.constexpr, IN_BITS: tl.constexpr, PTX: tl.constexpr,
+                    K: tl.constexpr):
     """The fp32 chunk sum (tuple of A [R, 8] slabs) of codes loaded by _load_rows_words, in chunk order."""
     acc = ()
     for a in tl.static_range(A):
-        acc = acc + (_decode_words(raw[0][0][a], R, PTX) * raw[0][1],)
+        acc = acc + (_decode_words(raw[0][0][a], R, IN_BITS, PTX) * raw[0][1],)
     for j in tl.static_range(1, K):
         d = ()
         for a in tl.static_range(A):
-            d = d + (_decode_words(raw[j][0][a], R, PTX) * raw[j][1],)
+            d = d + (_decode_words(raw[j][0][a], R, IN_BITS, PTX) * raw[j][1],)
         acc = _add_rows(acc, d, A)
     return acc
 
@@ -830,14 +867,14 @@ def _dequant_sum_requant_persistent_kernel(p_ptr, p_stride, s_ptr, s_stride, in_
     r = tl.arange(0, R)
     tile = pid
     raw = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, tile.to(tl.int64) * R, r,
-                           tile.to(tl.int64) * R + r < in_rows, R, A, IN_GS, K)
+                           tile.to(tl.int64) * R + r < in_rows, R, A, IN_GS, IN_BITS, K)
     while tile < ntiles:
         nxt = tile + nprog
         nblk = nxt.to(tl.int64) * R
         raw_next = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, nblk, r, nblk + r < in_rows, R, A, IN_GS,
-                                    K)
+                                    IN_BITS, K)
         blk0 = tile.to(tl.int64) * R
-        xs = _sum_rows_words(raw, R, A, _PTX_DECODE, K)
+        xs = _sum_rows_words(raw, R, A, IN_BITS, _PTX_DECODE, K)
         _quantize_store_rows(xs, out_ptr + blk0 * (B * BITS // 8), oscale_ptr, tile, blk0, r, blk0 + r < nrows,
                              nrows, key, offset, ubits, R, A, GB, BITS, QMAX, STOCH, ALIGNED)
         raw = raw_next
@@ -881,6 +918,39 @@ def _dequant_sum_inverse_hadamard_rows_kernel(p_ptr, p_stride, s_ptr, s_stride, 
     op = out_ptr + blk0 * B + (r * B)[:, None]
     for a in tl.static_range(A):
         _store_from_f32(op + (col + a * 8), xs[a] * factor, rmask[:, None] & (col >= 0), OUT_KIND)
+
+
+@triton.jit
+def _dequant_sum_inverse_hadamard_persistent_kernel(p_ptr, p_stride, s_ptr, s_stride, nrows, ntiles, out_ptr,
+                                                    factor, A: tl.constexpr, LOG_A: tl.constexpr, R: tl.constexpr,
+                                                    IN_GS: tl.constexpr, IN_BITS: tl.constexpr, HAD: tl.constexpr,
+                                                    OUT_KIND: tl.constexpr, PTX_DECODE: tl.constexpr,
+                                                    K: tl.constexpr):
+    """Op 3 over tiles of R rows, a program per few tiles: the next tile's codes load while this one computes (as
+    _dequant_sum_requant_persistent_kernel)."""
+    B: tl.constexpr = A * 8
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    r = tl.arange(0, R)
+    col = tl.arange(0, 8)[None, :]
+    tile = pid
+    raw = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, tile.to(tl.int64) * R, r,
+                           tile.to(tl.int64) * R + r < nrows, R, A, IN_GS, IN_BITS, K)
+    while tile < ntiles:
+        nxt = tile + nprog
+        nblk = nxt.to(tl.int64) * R
+        raw_next = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, nblk, r, nblk + r < nrows, R, A, IN_GS,
+                                    IN_BITS, K)
+        blk0 = tile.to(tl.int64) * R
+        xs = _sum_rows_words(raw, R, A, IN_BITS, PTX_DECODE, K)
+        if HAD:
+            xs = _butterfly_rows(xs, R, A, LOG_A)
+        op = out_ptr + blk0 * B + (r * B)[:, None]
+        smask = (blk0 + r < nrows)[:, None] & (col >= 0)
+        for a in tl.static_range(A):
+            _store_from_f32(op + (col + a * 8), xs[a] * factor, smask, OUT_KIND)
+        raw = raw_next
+        tile = nxt
 
 
 def is_interpreted() -> bool:
@@ -1008,7 +1078,10 @@ def _op2_row(k: int, group_size: int, out_group_size: int) -> int:
 # programs, so that the loop runs.
 _OP2_PERSIST = True
 _OP2_PERSIST_KS = (4,)
-_OP2_PROGRAMS_PER_SM = 8
+_PERSIST_PROGRAMS_PER_SM = 8
+# Op 3 the same way, for k in _OP3_PERSIST_KS (8 programs per SM as well).
+_OP3_PERSIST = True
+_OP3_PERSIST_KS = (3, 4, 8)
 _PERSIST_PROGRAMS = 3 if _INTERPRETED else 0  # > 0: this many programs (tests set it to loop on GPUs too)
 _SM_COUNT = {}
 
@@ -1019,7 +1092,7 @@ def _persistent_programs(device: torch.device) -> int:
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx] * _OP2_PROGRAMS_PER_SM
+    return _SM_COUNT[idx] * _PERSIST_PROGRAMS_PER_SM
 
 
 def _unrolled_chunks(k: int) -> int:
@@ -1224,7 +1297,18 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
     plan = _rows_plan(b, group_size, m // b)  # b divides group_size, hence m, whenever a plan is returned
     if plan is not None:
         rows_pp, _, nw = plan
-        _launch(_dequant_sum_inverse_hadamard_rows_kernel, (triton.cdiv(m // b, rows_pp),),
+        ntiles = triton.cdiv(m // b, rows_pp)
+        nprog = _persistent_programs(payloads.device) if _OP3_PERSIST else 0
+        if (nprog and 2 * nprog <= ntiles and k in _OP3_PERSIST_KS and payloads.data_ptr() % 4 == 0
+                and payloads.stride(0) % 4 == 0):
+            words = payloads.view(torch.int32)
+            _launch(_dequant_sum_inverse_hadamard_persistent_kernel, (nprog,),
+                    words, words.stride(0), scales, scales.stride(0), m // b, ntiles, _float_view(res), factor32,
+                    num_warps=nw, A=b // 8, LOG_A=(b // 8).bit_length() - 1, R=rows_pp, IN_GS=group_size,
+                    IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype],
+                    PTX_DECODE=bool(_PTX_DECODE) and k >= _OP3_PTX_DECODE_MIN_K, K=k)
+            return res
+        _launch(_dequant_sum_inverse_hadamard_rows_kernel, (ntiles,),
                 in_view, payloads.stride(0), scales, scales.stride(0), k, m // b, _float_view(res), factor32,
                 num_warps=nw, A=b // 8, LOG_A=(b // 8).bit_length() - 1, R=rows_pp, IN_GS=group_size,
                 IN_BITS=bits, HAD=bool(log_h), OUT_KIND=_KIND[res.dtype],
