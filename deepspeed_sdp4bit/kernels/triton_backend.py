@@ -1079,9 +1079,13 @@ def _op2_row(k: int, group_size: int, out_group_size: int) -> int:
 _OP2_PERSIST = True
 _OP2_PERSIST_KS = (4,)
 _PERSIST_PROGRAMS_PER_SM = 8
-# Op 3 the same way, for k in _OP3_PERSIST_KS (8 programs per SM as well).
+# Op 3 the same way for 3..8 chunks (80 registers at k = 4, 128 at k = 8: 8 programs of 2 warps fit an SM).  On an
+# H200 at 64 / 128 / 512 MiB it ran k = 3 at 86.8 / 87.4 / 87.8% of copy instead of 78.9 / 82.3 / 84.3, k = 4 at
+# 89.4 / 89.6 / 90.4 instead of 76.2 / 79.5 / 82.2, and k = 8 at 78.9 / 83.1 / 84.6 instead of 68.0 / 73.0 / 76.7;
+# k = 2 was level or up to a point slower and keeps one program per tile; k = 5..7 were not measured (between
+# the gains at 4 and 8).  (benchmarks/results/triton_op3_persist/)
 _OP3_PERSIST = True
-_OP3_PERSIST_KS = (3, 4, 8)
+_OP3_PERSIST_KS = (3, 4, 5, 6, 7, 8)
 _PERSIST_PROGRAMS = 3 if _INTERPRETED else 0  # > 0: this many programs (tests set it to loop on GPUs too)
 _SM_COUNT = {}
 
