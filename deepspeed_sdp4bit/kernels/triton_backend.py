@@ -40,10 +40,14 @@ or 32 without a transform; op 2: 64 for up to 2 chunks where the group sizes all
 GPUs, held as a tuple of [R, 8] slabs so that a whole row stays in one thread's registers (butterfly, group
 maximum and rounding without shared memory or shuffles).  They apply when a group is a power-of-two number of
 rows, a swizzle segment holds whole rows and, for stochastic rounding, the offset is even with every pair index
-below 2**32 (``_rows_plan``,
-``_pairs_fit``); everything else (odd offsets, groups such as 96, Hadamard sizes above 64, counters past
-2**33) takes the general kernels below, which the tests cover as well.  Op 2's row kernel also compiles the
-chunk count k in when k <= 8 (``_unrolled_chunks``), so that all chunks' loads are issued first.
+below 2**32 (``_rows_plan``, ``_pairs_fit``); everything else (odd offsets, groups such as 96, Hadamard sizes
+above 64, counters past 2**33) takes the general kernels below, which the tests cover as well.  Op 2's row kernel
+also compiles the chunk count k in when k <= 8 (``_unrolled_chunks``), so that all chunks' loads are issued first.
+
+Persistent row kernels: op 2 with 4 chunks of 8-bit codes and op 3 with 3..8 chunks run a fixed grid of a few
+programs per SM that loop over the tiles, loading the next tile's codes (as int32 words) while computing the
+current one; with one program per tile, a launch of a few waves loads everything first and computes last
+(``_OP2_PERSIST_KS``, ``_OP3_PERSIST_KS``; used only where each program loops at least twice).
 
 General kernels: grouped ops (1, 2, 4) give each program ``GPP`` whole groups as a [GPP, BLOCK_G] tile
 (BLOCK_G = the group size rounded up to a power of two, extra columns masked); ops 3 and 5 give each program
