@@ -44,9 +44,10 @@ below 2**32 (``_rows_plan``, ``_pairs_fit``); everything else (odd offsets, grou
 above 64, counters past 2**33) takes the general kernels below, which the tests cover as well.  Op 2's row kernel
 also compiles the chunk count k in when k <= 8 (``_unrolled_chunks``), so that all chunks' loads are issued first.
 
-Persistent row kernels: op 2 with 4 chunks of 8-bit codes and op 3 with 3..8 chunks run a fixed grid of a few
-programs per SM that loop over the tiles, loading the next tile's codes (as int32 words) while computing the
-current one; with one program per tile, a launch of a few waves loads everything first and computes last
+Persistent row kernels: op 2 with 4 chunks of 8-bit codes and op 3 with 3..8 chunks of 4-bit codes (rows of 32)
+run a fixed grid of a few programs per SM that loop over the tiles, loading the next tile's codes (as int32 words)
+while computing the current one; with one program per tile, a launch of a few waves loads everything first and
+computes last
 (``_OP2_PERSIST_KS``, ``_OP3_PERSIST_KS``; used only where each program loops at least twice).
 
 General kernels: grouped ops (1, 2, 4) give each program ``GPP`` whole groups as a [GPP, BLOCK_G] tile
@@ -1307,8 +1308,10 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
         rows_pp, _, nw = plan
         ntiles = triton.cdiv(m // b, rows_pp)
         nprog = _persistent_programs(payloads.device) if _OP3_PERSIST else 0
-        if (nprog and 2 * nprog <= ntiles and k in _OP3_PERSIST_KS and payloads.data_ptr() % 4 == 0
-                and payloads.stride(0) % 4 == 0):
+        # (measured with 4-bit codes in rows of 32: the gradient path's inter-node level; 8-bit codes or rows of 64
+        # double the words each thread carries)
+        if (nprog and 2 * nprog <= ntiles and k in _OP3_PERSIST_KS and bits == 4 and b == 32
+                and payloads.data_ptr() % 4 == 0 and payloads.stride(0) % 4 == 0):
             words = payloads.view(torch.int32)
             _launch(_dequant_sum_inverse_hadamard_persistent_kernel, (nprog,),
                     words, words.stride(0), scales, scales.stride(0), m // b, ntiles, _float_view(res), factor32,
