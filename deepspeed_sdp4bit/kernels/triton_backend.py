@@ -788,6 +788,15 @@ def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, R: tl.con
 
 
 @triton.jit
+def _tile_words(p_ptr, p_stride, s_ptr, s_stride, tile, r, in_rows, R: tl.constexpr, A: tl.constexpr,
+                IN_GS: tl.constexpr, IN_BITS: tl.constexpr, K: tl.constexpr):
+    """_load_rows_words of tile ``tile`` (rows ``tile * R + r``; rows at and past ``in_rows`` load zeros, so does a
+    tile past the end)."""
+    blk = tile.to(tl.int64) * R
+    return _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk, r, blk + r < in_rows, R, A, IN_GS, IN_BITS, K)
+
+
+@triton.jit
 def _decode_words(w, R: tl.constexpr, BITS: tl.constexpr, PTX: tl.constexpr):
     """fp32 codes [R, 8] of a slab of code words: [R, 2] (8-bit: byte i of word j is element 4j + i) or [R, 1]
     (4-bit: the low nibble of byte i is element 2i, the high one 2i + 1)."""
@@ -871,13 +880,10 @@ def _dequant_sum_requant_persistent_kernel(p_ptr, p_stride, s_ptr, s_stride, in_
     nprog = tl.num_programs(0)
     r = tl.arange(0, R)
     tile = pid
-    raw = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, tile.to(tl.int64) * R, r,
-                           tile.to(tl.int64) * R + r < in_rows, R, A, IN_GS, IN_BITS, K)
+    raw = _tile_words(p_ptr, p_stride, s_ptr, s_stride, tile, r, in_rows, R, A, IN_GS, IN_BITS, K)
     while tile < ntiles:
         nxt = tile + nprog
-        nblk = nxt.to(tl.int64) * R
-        raw_next = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, nblk, r, nblk + r < in_rows, R, A, IN_GS,
-                                    IN_BITS, K)
+        raw_next = _tile_words(p_ptr, p_stride, s_ptr, s_stride, nxt, r, in_rows, R, A, IN_GS, IN_BITS, K)
         blk0 = tile.to(tl.int64) * R
         xs = _sum_rows_words(raw, R, A, IN_BITS, _PTX_DECODE, K)
         _quantize_store_rows(xs, out_ptr + blk0 * (B * BITS // 8), oscale_ptr, tile, blk0, r, blk0 + r < nrows,
@@ -939,13 +945,10 @@ def _dequant_sum_inverse_hadamard_persistent_kernel(p_ptr, p_stride, s_ptr, s_st
     r = tl.arange(0, R)
     col = tl.arange(0, 8)[None, :]
     tile = pid
-    raw = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, tile.to(tl.int64) * R, r,
-                           tile.to(tl.int64) * R + r < nrows, R, A, IN_GS, IN_BITS, K)
+    raw = _tile_words(p_ptr, p_stride, s_ptr, s_stride, tile, r, nrows, R, A, IN_GS, IN_BITS, K)
     while tile < ntiles:
         nxt = tile + nprog
-        nblk = nxt.to(tl.int64) * R
-        raw_next = _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, nblk, r, nblk + r < nrows, R, A, IN_GS,
-                                    IN_BITS, K)
+        raw_next = _tile_words(p_ptr, p_stride, s_ptr, s_stride, nxt, r, nrows, R, A, IN_GS, IN_BITS, K)
         blk0 = tile.to(tl.int64) * R
         xs = _sum_rows_words(raw, R, A, IN_BITS, PTX_DECODE, K)
         if HAD:
