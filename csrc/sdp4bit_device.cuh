@@ -806,10 +806,14 @@ __device__ __forceinline__ float absmax_nan(float m, float x)
 // warps), whose extra registers would spill under it.
 template <bool MULTI>
 constexpr int kWideThreadsFor = MULTI ? kThreads : kWideThreads;
+// Launch-bound blocks per SM that keep WARPS warps resident with blocks of THREADS threads (a Src's kMinWarps:
+// its register cap, whatever the block size).
+template <int WARPS, int THREADS>
+constexpr int kMinBlocksFor = WARPS * kWarp / THREADS;
 
 template <class Src, int BITS, bool STOCH, bool HAD, bool ALIGNED, bool MULTI>
 __global__ void __launch_bounds__(kWideThreadsFor<MULTI>,
-                                  (STOCH && !ALIGNED) ? 1 : Src::kMinWarps * kWarp / kWideThreadsFor<MULTI>)
+                                  (STOCH && !ALIGNED) ? 1 : kMinBlocksFor<Src::kMinWarps, kWideThreadsFor<MULTI>>)
     quant_wide_kernel(Src src, QuantOut q, int hadamard, int64_t num_warps)
 {
     constexpr int kWarps = kWideThreadsFor<MULTI> / kWarp;
@@ -898,7 +902,7 @@ void launch_quant_wide(const Src& src, const QuantOut& q, int hadamard, cudaStre
     const int64_t nw = (q.n_pad + kWideStep - 1) / kWideStep;
     // counters offset .. offset + n_pad - 1: multiples of 32 per lane, pair indices (counter >> 1) < 2^32
     const bool aligned_counters = q.offset >= 0 && q.offset % kWide == 0 && q.offset + q.n_pad <= (1ll << 33);
-    const unsigned int blocks = blocks_for(nw, kWideWarpsPerBlock);
+    const unsigned int blocks = blocks_for(nw, kWideWarpsPerBlock);  // (MULTI: blocks of kWarpsPerBlock warps)
     if (q.group_shift > 10) {  // groups across warps: rare in the gradient path, counters taken generally
         quant_wide_kernel<Src, BITS, STOCH, HAD, false, true>
             <<<blocks_for(nw), kWideThreadsFor<true>, 0, stream>>>(src, q, hadamard, nw);

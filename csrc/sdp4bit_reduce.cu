@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) dequant_sum_ih_kernel(SrcDequantSum<
 // Op 3 on the wide layout (32 elements per lane, blocks of kWideThreads, see quant_wide_kernel); only when
 // src.wide_ok() and the output is 16-byte aligned.
 template <int BITS, typename TO, bool HAD>
-__global__ void __launch_bounds__(kWideThreads, SrcDequantSum<BITS>::kMinWarps / kWideWarpsPerBlock)
+__global__ void __launch_bounds__(kWideThreads, kMinBlocksFor<SrcDequantSum<BITS>::kMinWarps, kWideThreads>)
     dequant_sum_ih_wide_kernel(SrcDequantSum<BITS> src, TO* __restrict__ out, int hadamard, float factor,
                                int64_t num_warps)
 {

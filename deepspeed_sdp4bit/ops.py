@@ -88,12 +88,11 @@ def _t_dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, roun
 
 def _t_dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard_size,
                                     out_dtype=torch.float32, post_scale=1.0, out=None):
-    _checks().inverse_plan(payloads, scales, bits, group_size, hadamard_size, out_dtype, out)
+    # (checks ``out`` too: float, at least m elements, the chunks' device, contiguous)
+    _checks().inverse_checks(payloads, scales, bits, group_size, hadamard_size, out_dtype, out)
     if out is not None:
         out_dtype = out.dtype
     y = R.dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard_size, out_dtype, post_scale)
-    if out is not None and out.numel() < y.numel():
-        raise ValueError(f"out has {out.numel()} elements, needs {y.numel()}")
     if out is not None:
         out.view(-1)[: y.numel()].copy_(y)
         return out

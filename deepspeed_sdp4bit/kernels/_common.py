@@ -173,14 +173,14 @@ def quantize_plan(x: torch.Tensor, bits: int, group_size: int, hadamard_size: Op
     return qmax, stoch, rows, cols
 
 
-def inverse_plan(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
-                 hadamard_size: Optional[int], out_dtype: torch.dtype, out: Optional[torch.Tensor]
-                 ) -> Tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor]:
-    """Op 3's argument checks, shared by both backends (``dequant_sum_inverse_hadamard``'s arguments).
+def inverse_checks(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                   hadamard_size: Optional[int], out_dtype: torch.dtype, out: Optional[torch.Tensor]
+                   ) -> Tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Op 3's argument checks, shared by all backends (``dequant_sum_inverse_hadamard``'s arguments).
 
-    Returns ``(payloads, scales, k, m, out)``: the chunks as :func:`chunks` returns them, and the output:
-    ``out`` after checking it (float, at least m elements, on the chunks' device, contiguous; its first m
-    elements are written) or a new ``out_dtype`` [m] tensor.
+    Returns ``(payloads, scales, k, m)``, the chunks as :func:`chunks` returns them.  ``out``, when given, must
+    be float, hold at least m elements, sit on the chunks' device and be contiguous (its first m elements are
+    written); otherwise ``out_dtype`` must be a float dtype.
     """
     check_bits(bits)
     check_group_size(group_size, bits)
@@ -191,7 +191,7 @@ def inverse_plan(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_
     if out is None:
         if out_dtype not in FLOAT_DTYPES:
             raise ValueError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
-        return payloads, scales, k, m, torch.empty(m, dtype=out_dtype, device=device)
+        return payloads, scales, k, m
     check_float(out, "out")
     if out.numel() < m:
         raise ValueError(f"out has {out.numel()} elements, needs {m}")
@@ -199,6 +199,17 @@ def inverse_plan(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_
         raise ValueError(f"out is on {out.device}, expected {device}")
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
+    return payloads, scales, k, m
+
+
+def inverse_plan(payloads: torch.Tensor, scales: torch.Tensor, bits: int, group_size: int,
+                 hadamard_size: Optional[int], out_dtype: torch.dtype, out: Optional[torch.Tensor]
+                 ) -> Tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor]:
+    """:func:`inverse_checks` and the kernels' output: ``(payloads, scales, k, m, out)``, ``out`` as given or a
+    new ``out_dtype`` [m] tensor on the chunks' device."""
+    payloads, scales, k, m = inverse_checks(payloads, scales, bits, group_size, hadamard_size, out_dtype, out)
+    if out is None:
+        out = torch.empty(m, dtype=out_dtype, device=payloads.device)
     return payloads, scales, k, m, out
 
 

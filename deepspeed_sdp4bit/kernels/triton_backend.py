@@ -47,8 +47,7 @@ also compiles the chunk count k in when k <= 8 (``_unrolled_chunks``), so that a
 Persistent row kernels: op 2 with 4 chunks of 8-bit codes and op 3 with 3..8 chunks of 4-bit codes (rows of 32)
 run a fixed grid of a few programs per SM that loop over the tiles, loading the next tile's codes (as int32 words)
 while computing the current one; with one program per tile, a launch of a few waves loads everything first and
-computes last
-(``_OP2_PERSIST_KS``, ``_OP3_PERSIST_KS``; used only where each program loops at least twice).
+computes last (``_OP2_PERSIST_KS``, ``_OP3_PERSIST_KS``; used only where each program loops at least twice).
 
 General kernels: grouped ops (1, 2, 4) give each program ``GPP`` whole groups as a [GPP, BLOCK_G] tile
 (BLOCK_G = the group size rounded up to a power of two, extra columns masked); ops 3 and 5 give each program
@@ -1107,6 +1106,16 @@ def _persistent_programs(device: torch.device) -> int:
     return _SM_COUNT[idx] * _PERSIST_PROGRAMS_PER_SM
 
 
+def _persistent_grid(ntiles: int, payloads: torch.Tensor) -> int:
+    """Programs for a persistent kernel over ``ntiles`` tiles of the chunks ``payloads``, or 0 where it does not
+    apply: the chunk rows must read as int32 words, and each program must loop at least twice (with one tile
+    each there is nothing to overlap)."""
+    if payloads.data_ptr() % 4 or payloads.stride(0) % 4:
+        return 0
+    nprog = _persistent_programs(payloads.device)
+    return nprog if 2 * nprog <= ntiles else 0
+
+
 def _unrolled_chunks(k: int) -> int:
     """Op 2's row kernel: the compile-time chunk count K for k chunks, 0 for the run-time loop."""
     return int(k) if _UNROLL_CHUNKS and 1 <= k <= _MAX_UNROLLED_CHUNKS else 0
@@ -1257,10 +1266,8 @@ def dequant_sum_requant(payloads: torch.Tensor, scales: torch.Tensor, in_bits: i
         rows_pp, gb, nw = plan
         kk = _unrolled_chunks(k)
         ntiles = triton.cdiv(m_pad // b, rows_pp)
-        nprog = _persistent_programs(device) if _OP2_PERSIST else 0
-        # persistent only where each program loops at least twice (with one tile each there is nothing to overlap)
-        if (nprog and 2 * nprog <= ntiles and in_bits == 8 and kk in _OP2_PERSIST_KS
-                and payloads.data_ptr() % 4 == 0 and payloads.stride(0) % 4 == 0):
+        nprog = _persistent_grid(ntiles, payloads) if _OP2_PERSIST and in_bits == 8 and kk in _OP2_PERSIST_KS else 0
+        if nprog:
             words = payloads.view(torch.int32)
             _launch(_dequant_sum_requant_persistent_kernel, (nprog,),
                     words, words.stride(0), scales, scales.stride(0), m // b, _code_view(payload, out_bits),
@@ -1310,11 +1317,11 @@ def dequant_sum_inverse_hadamard(payloads: torch.Tensor, scales: torch.Tensor, b
     if plan is not None:
         rows_pp, _, nw = plan
         ntiles = triton.cdiv(m // b, rows_pp)
-        nprog = _persistent_programs(payloads.device) if _OP3_PERSIST else 0
         # (measured with 4-bit codes in rows of 32: the gradient path's inter-node level; 8-bit codes or rows of 64
         # double the words each thread carries)
-        if (nprog and 2 * nprog <= ntiles and k in _OP3_PERSIST_KS and bits == 4 and b == 32
-                and payloads.data_ptr() % 4 == 0 and payloads.stride(0) % 4 == 0):
+        persist = _OP3_PERSIST and k in _OP3_PERSIST_KS and bits == 4 and b == 32
+        nprog = _persistent_grid(ntiles, payloads) if persist else 0
+        if nprog:
             words = payloads.view(torch.int32)
             _launch(_dequant_sum_inverse_hadamard_persistent_kernel, (nprog,),
                     words, words.stride(0), scales, scales.stride(0), m // b, ntiles, _float_view(res), factor32,
