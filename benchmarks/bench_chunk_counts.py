@@ -71,15 +71,19 @@ def main(argv=None):
                          "(triton_backend._OP2_PERSIST)")
     ap.add_argument("--op2-pps", type=int, default=None,
                     help="the persistent op 2's programs per SM (triton_backend._PERSIST_PROGRAMS_PER_SM)")
+    ap.add_argument("--op2-persist-ks", default=None,
+                    help="Triton op 2 (8-bit input) as the persistent kernel for these chunk counts (comma separated, "
+                         "'' none; triton_backend._OP2_PERSIST_KS)")
     ap.add_argument("--op3-persist-ks", default=None,
                     help="Triton op 3 as the persistent kernel for these chunk counts (comma separated, '' none; "
                          "triton_backend._OP3_PERSIST_KS)")
     ap.add_argument("--triton-rows", type=int, default=None,
                     help="Triton row kernels' rows per program (triton_backend._GPU_ROWS)")
     args = ap.parse_args(argv)
-    if args.op3_persist_ks is not None:
-        from deepspeed_sdp4bit.kernels import triton_backend
-        triton_backend._OP3_PERSIST_KS = tuple(int(v) for v in args.op3_persist_ks.split(",") if v)
+    for flag, name in ((args.op2_persist_ks, "_OP2_PERSIST_KS"), (args.op3_persist_ks, "_OP3_PERSIST_KS")):
+        if flag is not None:
+            from deepspeed_sdp4bit.kernels import triton_backend
+            setattr(triton_backend, name, tuple(int(v) for v in flag.split(",") if v))
     if args.triton_rows is not None:
         from deepspeed_sdp4bit.kernels import triton_backend
         triton_backend._GPU_ROWS = args.triton_rows

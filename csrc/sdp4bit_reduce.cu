@@ -17,8 +17,8 @@ struct SrcDequantSum {
     FastDiv div_group;       // by the input group size
     int k;
 
-    // acc = d_0; acc = acc + d_1; ... with d_j = code * scale: one rounded multiply and one rounded add per
-    // chunk, never an FMA.  Elements at and past m (output padding) are zeros.
+    // acc = c_0 * s_0; acc = fma(c_1, s_1, acc); ... (reference.dequant_sum: one rounded multiply for the
+    // first chunk, one fused multiply-add for each other).  Elements at and past m (output padding) are zeros.
     template <bool VEC>
     __device__ __forceinline__ void load(int64_t o, float (&v)[8]) const
     {
@@ -41,7 +41,7 @@ struct SrcDequantSum {
             load_codes<BITS>(payloads + j * row_bytes, o, VEC, c);
             const float s = __ldg(scales + j * scales_per_row + g);
 #pragma unroll
-            for (int t = 0; t < kVec; ++t) v[t] = __fadd_rn(v[t], __fmul_rn(c[t], s));
+            for (int t = 0; t < kVec; ++t) v[t] = __fmaf_rn(c[t], s, v[t]);
         }
     }
 
@@ -84,7 +84,7 @@ struct SrcDequantSum {
             decode_codes32<BITS>(d, c);
             const float s = __ldg(scales + j * scales_per_row + g);
 #pragma unroll
-            for (int t = 0; t < kWide; ++t) v[t] = __fadd_rn(v[t], __fmul_rn(c[t], s));
+            for (int t = 0; t < kWide; ++t) v[t] = __fmaf_rn(c[t], s, v[t]);
         }
     }
 

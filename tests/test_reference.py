@@ -1,6 +1,7 @@
 """Properties of the reference math (reference.py): the definitions every kernel is checked against."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -214,6 +215,64 @@ def test_swizzle_is_segment_transpose():
     x = torch.arange(2 * 3 * 4, dtype=torch.float32)
     y = R.swizzle_segments(x, 2, 3).view(3, 2, 4)
     assert torch.equal(y[1, 0], x[4:8]) and torch.equal(y[0, 1], x[12:16])
+
+
+def _py_rn32(v):
+    """Round-to-nearest-even of an exact Fraction to fp32, as a Python float (inf past the largest finite)."""
+    if v == 0:
+        return 0.0
+    mag = abs(v)
+    e = mag.numerator.bit_length() - mag.denominator.bit_length()
+    if Fraction(2) ** e > mag:
+        e -= 1  # now 2**e <= mag < 2**(e + 1)
+    ulp = Fraction(2) ** (max(e, -126) - 23)  # subnormals share the ulp of the smallest normal binade
+    n = round(mag / ulp)  # Fraction rounds ties to even
+    out = float(n * ulp) if n * ulp < Fraction(2) ** 128 else math.inf
+    return out if v > 0 else -out
+
+
+def test_fma_f32_rounds_once():
+    g = torch.Generator().manual_seed(7)
+
+    def sample(n):
+        mant = torch.rand(n, generator=g) * 2 - 1
+        exps = torch.randint(-140, 60, (n,), generator=g).float()
+        return (mant * torch.pow(2.0, exps)).float()  # wide exponent range, subnormals included
+
+    a, b, c = sample(3000), sample(3000), sample(3000)
+    a[:300] = torch.randint(-127, 128, (300,), generator=g).float()  # codes, as in a chunk sum
+    # the double-rounding trap: 2**30 + 192 - 2**-40 is a hair below a midpoint, but its nearest fp64 is the
+    # midpoint itself, whose round-to-even goes the wrong way (naive fp64 gives 2**30 + 256)
+    a[0], b[0], c[0] = 8 + 2 ** -20, 8 - 2 ** -20, 2 ** 30 + 128
+    got = R.fma_f32(a, b, c)
+    assert float(got[0]) == 2 ** 30 + 128
+    for x, y, z, r in zip(a.tolist(), b.tolist(), c.tolist(), got.tolist()):
+        want = _py_rn32(Fraction(x) * Fraction(y) + Fraction(z))
+        assert r == want and math.copysign(1, r) == math.copysign(1, want) or r == want == 0, (x, y, z, r, want)
+    specials = R.fma_f32(torch.tensor([0.0, math.inf, 3e38, 1.0]), torch.tensor([math.inf, 1.0, 10.0, math.nan]),
+                         torch.tensor([1.0, -math.inf, 0.0, 0.0]))
+    assert math.isnan(specials[0]) and math.isnan(specials[1]) and specials[2] == math.inf
+    assert math.isnan(specials[3])
+
+
+def test_dequant_sum_fuses_later_chunks():
+    """acc = RN(c_0 s_0), then acc = RN(c_j s_j + acc) for each later chunk, checked in exact arithmetic."""
+    torch.manual_seed(3)
+    k, m, g = 3, 256, 128
+    codes = torch.randint(-127, 128, (k, m), dtype=torch.int8)
+    scales = torch.rand(k, m // g) * 1e-2 + 1e-3
+    got = R.dequant_sum(codes.view(torch.uint8), scales, 8, g).tolist()
+    unfused = 0
+    for i in range(m):
+        terms = [(Fraction(int(codes[j, i])), Fraction(float(scales[j, i // g]))) for j in range(k)]
+        acc = _py_rn32(terms[0][0] * terms[0][1])
+        plain = acc
+        for cj, sj in terms[1:]:
+            acc = _py_rn32(cj * sj + Fraction(acc))
+            plain = _py_rn32(Fraction(plain) + Fraction(_py_rn32(cj * sj)))
+        assert got[i] == acc, i
+        unfused += plain != acc
+    assert unfused > 0  # the data tells fused from unfused sums apart
 
 
 def test_fused_ops_agree_with_their_pieces():

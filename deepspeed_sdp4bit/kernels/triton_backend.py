@@ -17,8 +17,9 @@ How bit-exactness with the reference is kept
 --------------------------------------------
 * All math is fp32.  Divisions (the per-group scale and its reciprocal) use ``tl.math.div_rn`` (IEEE
   round-to-nearest; plain ``/`` may lower to an approximate division on GPUs).  Kernels are launched with
-  ``enable_fp_fusion=False`` so that the dequantize multiply and the following add are never contracted into
-  one FMA, and (NVIDIA) with
+  ``enable_fp_fusion=False`` so that a multiply and a following add are never contracted into one FMA
+  (``x * inv + u1``, a replica plus a dequantized delta: two roundings in the reference); where the reference
+  fuses (chunk sums), the kernels call ``tl.fma``.  And (NVIDIA) with
   ``enable_reflect_ftz=False`` so that ``floor`` keeps subnormals like torch does.
 * The Hadamard transform is the reference butterfly, stage by stage (strides 1, 2, ..., h/2), done with
   reshape/permute/split/join; no ``tl.dot`` (its accumulation order differs, and the interpreter
@@ -226,15 +227,15 @@ def _load_codes_f32(p_ptr, g, mask, BITS: tl.constexpr):
 
 @triton.jit
 def _dequant_sum(p_ptr, p_stride, s_ptr, s_stride, k, g, mask, GS: tl.constexpr, BITS: tl.constexpr):
-    """fp32 ``acc = deq_0; acc = acc + deq_1; ...`` over k chunks for elements ``g`` (any shape, int64)."""
+    """fp32 ``acc = c_0 * s_0; acc = fma(c_1, s_1, acc); ...`` over k chunks for elements ``g`` (any shape,
+    int64): reference.dequant_sum."""
     sg = g // GS
     acc = _load_codes_f32(p_ptr, g, mask, BITS) * tl.load(s_ptr + sg, mask=mask, other=0.0)
     for _ in range(1, k):
         # advance the row pointers step by step: no 32-bit j * stride product that could overflow
         p_ptr += p_stride
         s_ptr += s_stride
-        d = _load_codes_f32(p_ptr, g, mask, BITS) * tl.load(s_ptr + sg, mask=mask, other=0.0)
-        acc = acc + d
+        acc = tl.fma(_load_codes_f32(p_ptr, g, mask, BITS), tl.load(s_ptr + sg, mask=mask, other=0.0), acc)
     return acc
 
 
@@ -682,29 +683,33 @@ def _decode_slab(p_ptr, r, a, rmask, R: tl.constexpr, B: tl.constexpr, BITS: tl.
 
 
 @triton.jit
-def _chunk_terms(p_ptr, s_ptr, sg, r, rmask, R: tl.constexpr, A: tl.constexpr, IN_BITS: tl.constexpr,
-                 PTX_DECODE: tl.constexpr):
-    """One chunk's dequantized rows ``code * scale`` (tuple of A [R, 8] slabs); ``sg``: each row's scale index."""
-    s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
-    d = ()
+def _fold_chunk(codes, s, acc, A: tl.constexpr, FIRST: tl.constexpr):
+    """One chunk folded into the sum, slab by slab (tuples of A [R, 8] slabs, ``s`` [R, 1]): ``codes * s`` for
+    the first chunk, ``fma(codes, s, acc)`` for the others (reference.dequant_sum)."""
+    out = ()
     for a in tl.static_range(A):
-        d = d + (_decode_slab(p_ptr, r, a, rmask, R, A * 8, IN_BITS, PTX_DECODE) * s,)
-    return d
+        if FIRST:
+            out = out + (codes[a] * s,)
+        else:
+            out = out + (tl.fma(codes[a], s, acc[a]),)
+    return out
 
 
 @triton.jit
-def _add_rows(acc, d, A: tl.constexpr):
-    """acc + d, slab by slab (tuples of A slabs): one rounded add per element, in chunk order."""
-    out = ()
+def _chunk_into(acc, p_ptr, s_ptr, sg, r, rmask, R: tl.constexpr, A: tl.constexpr, IN_BITS: tl.constexpr,
+                PTX_DECODE: tl.constexpr, FIRST: tl.constexpr):
+    """A chunk's rows folded into ``acc`` (_fold_chunk); ``sg``: each row's scale index."""
+    s = tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]
+    codes = ()
     for a in tl.static_range(A):
-        out = out + (acc[a] + d[a],)
-    return out
+        codes = codes + (_decode_slab(p_ptr, r, a, rmask, R, A * 8, IN_BITS, PTX_DECODE),)
+    return _fold_chunk(codes, s, acc, A, FIRST)
 
 
 @triton.jit
 def _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R: tl.constexpr, A: tl.constexpr,
                       IN_GS: tl.constexpr, IN_BITS: tl.constexpr, PTX_DECODE: tl.constexpr, K: tl.constexpr):
-    """Rows ``blk0 + r`` of the fp32 sum ``d_0 + d_1 + ...`` over k chunks, as a tuple of A [R, 8] slabs.
+    """Rows ``blk0 + r`` of the fp32 chunk sum (reference.dequant_sum) over k chunks, as a tuple of A [R, 8] slabs.
 
     Row i covers chunk elements ``i*B .. i*B + B-1`` (B = 8A divides IN_GS); rows outside ``rmask`` are 0.
     K > 0: k == K is a compile-time count and the chunk loop is unrolled, so that every chunk's loads can be in
@@ -713,18 +718,18 @@ def _dequant_sum_rows(p_ptr, p_stride, s_ptr, s_stride, k, blk0, r, rmask, R: tl
     B: tl.constexpr = A * 8
     p_ptr += blk0 * (B * IN_BITS // 8)
     sg = (blk0 + r) * B // IN_GS  # each row's input scale
-    acc = _chunk_terms(p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE)
+    acc = _chunk_into((), p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE, True)
     # the row pointers advance step by step: no 32-bit j * stride product that could overflow
     if K > 0:
         for _ in tl.static_range(1, K):
             p_ptr += p_stride
             s_ptr += s_stride
-            acc = _add_rows(acc, _chunk_terms(p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE), A)
+            acc = _chunk_into(acc, p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE, False)
     else:
         for _ in range(1, k):
             p_ptr += p_stride
             s_ptr += s_stride
-            acc = _add_rows(acc, _chunk_terms(p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE), A)
+            acc = _chunk_into(acc, p_ptr, s_ptr, sg, r, rmask, R, A, IN_BITS, PTX_DECODE, False)
     return acc
 
 
@@ -764,22 +769,25 @@ def _hadamard_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, nrows, rows, cols,
 
 
 @triton.jit
-def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, R: tl.constexpr, A: tl.constexpr,
+def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, rc, R: tl.constexpr, A: tl.constexpr,
                      IN_GS: tl.constexpr, IN_BITS: tl.constexpr, K: tl.constexpr):
     """The codes (as int32 words: loop-carried bytes would take a register each) and the scales of rows
     ``blk0 + r`` of all K chunks: a tuple over chunks of (tuple of A [R, W] word slabs, W = IN_BITS // 4, and
-    [R, 1] scales); rows outside ``rmask`` load zeros.  ``p_ptr``/``p_stride`` in int32 words."""
+    [R, 1] scales).  Rows outside ``rmask`` get scale 0 and the codes of row ``blk0 + rc`` (any row inside), so
+    their sum is 0 like the reference's zero padding: codes are finite, c * 0 = 0 and fma(c, 0, 0) = 0 up to
+    the sign, which no code or stored value depends on.  Unmasked code loads spare the zeroing of their
+    registers (a masked load first sets them to ``other``).  ``p_ptr``/``p_stride`` in int32 words."""
     B: tl.constexpr = A * 8
     W: tl.constexpr = IN_BITS // 4  # words per slab of 8 codes
     p_ptr += blk0 * (A * W)
     sg = (blk0 + r) * B // IN_GS
     col = tl.arange(0, W)[None, :]
-    mask = rmask[:, None] & (col >= 0)
+    rows = rc[:, None] * (A * W) + col
     out = ()
     for _ in tl.static_range(K):
         words = ()
         for a in tl.static_range(A):
-            words = words + (tl.load(p_ptr + (r[:, None] * (A * W) + a * W + col), mask=mask, other=0),)
+            words = words + (tl.load(p_ptr + (rows + a * W)),)
         out = out + ((words, tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]),)
         p_ptr += p_stride
         s_ptr += s_stride
@@ -789,10 +797,13 @@ def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, R: tl.con
 @triton.jit
 def _tile_words(p_ptr, p_stride, s_ptr, s_stride, tile, r, in_rows, R: tl.constexpr, A: tl.constexpr,
                 IN_GS: tl.constexpr, IN_BITS: tl.constexpr, K: tl.constexpr):
-    """_load_rows_words of tile ``tile`` (rows ``tile * R + r``; rows at and past ``in_rows`` load zeros, so does a
-    tile past the end)."""
+    """_load_rows_words of tile ``tile`` (rows ``tile * R + r``; rows at and past ``in_rows`` sum to 0, so do those of
+    a tile past the end).  ``in_rows`` >= 1."""
     blk = tile.to(tl.int64) * R
-    return _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk, r, blk + r < in_rows, R, A, IN_GS, IN_BITS, K)
+    # the clamped row relative to blk: from -(programs * R) (a tile past the end) to R - 1, so int32
+    rc = tl.minimum(r, (in_rows - 1 - blk).to(tl.int32))
+    return _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk, r, blk + r < in_rows, rc, R, A, IN_GS, IN_BITS,
+                            K)
 
 
 @triton.jit
@@ -855,15 +866,13 @@ def _ptx_decode_word_nibbles(w):
 @triton.jit
 def _sum_rows_words(raw, R: tl.constexpr, A: tl.constexpr, IN_BITS: tl.constexpr, PTX: tl.constexpr,
                     K: tl.constexpr):
-    """The fp32 chunk sum (tuple of A [R, 8] slabs) of codes loaded by _load_rows_words, in chunk order."""
+    """The fp32 chunk sum (tuple of A [R, 8] slabs) of codes loaded by _load_rows_words (reference.dequant_sum)."""
     acc = ()
-    for a in tl.static_range(A):
-        acc = acc + (_decode_words(raw[0][0][a], R, IN_BITS, PTX) * raw[0][1],)
-    for j in tl.static_range(1, K):
-        d = ()
+    for j in tl.static_range(K):
+        codes = ()
         for a in tl.static_range(A):
-            d = d + (_decode_words(raw[j][0][a], R, IN_BITS, PTX) * raw[j][1],)
-        acc = _add_rows(acc, d, A)
+            codes = codes + (_decode_words(raw[j][0][a], R, IN_BITS, PTX),)
+        acc = _fold_chunk(codes, raw[j][1], acc, A, j == 0)
     return acc
 
 
@@ -1132,7 +1141,7 @@ _EXTRA_OPTIONS = {"enable_reflect_ftz": False} if torch.version.hip is None else
 
 
 def _launch(kernel, grid, *args, tile_elems: int = 0, num_warps: Optional[int] = None, **const):
-    # enable_fp_fusion=False: dequant multiply + add must stay two roundings (reference order)
+    # enable_fp_fusion=False: a multiply and a following add stay two roundings unless tl.fma says otherwise
     kernel[grid](*args, **const, num_warps=num_warps or _num_warps(tile_elems), enable_fp_fusion=False,
                  **_EXTRA_OPTIONS)
 
