@@ -769,25 +769,22 @@ def _hadamard_quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, nrows, rows, cols,
 
 
 @triton.jit
-def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, rc, R: tl.constexpr, A: tl.constexpr,
+def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, R: tl.constexpr, A: tl.constexpr,
                      IN_GS: tl.constexpr, IN_BITS: tl.constexpr, K: tl.constexpr):
     """The codes (as int32 words: loop-carried bytes would take a register each) and the scales of rows
     ``blk0 + r`` of all K chunks: a tuple over chunks of (tuple of A [R, W] word slabs, W = IN_BITS // 4, and
-    [R, 1] scales).  Rows outside ``rmask`` get scale 0 and the codes of row ``blk0 + rc`` (any row inside), so
-    their sum is 0 like the reference's zero padding: codes are finite, c * 0 = 0 and fma(c, 0, 0) = 0 up to
-    the sign, which no code or stored value depends on.  Unmasked code loads spare the zeroing of their
-    registers (a masked load first sets them to ``other``).  ``p_ptr``/``p_stride`` in int32 words."""
+    [R, 1] scales); rows outside ``rmask`` load zeros.  ``p_ptr``/``p_stride`` in int32 words."""
     B: tl.constexpr = A * 8
     W: tl.constexpr = IN_BITS // 4  # words per slab of 8 codes
     p_ptr += blk0 * (A * W)
     sg = (blk0 + r) * B // IN_GS
     col = tl.arange(0, W)[None, :]
-    rows = rc[:, None] * (A * W) + col
+    mask = rmask[:, None] & (col >= 0)
     out = ()
     for _ in tl.static_range(K):
         words = ()
         for a in tl.static_range(A):
-            words = words + (tl.load(p_ptr + (rows + a * W)),)
+            words = words + (tl.load(p_ptr + (r[:, None] * (A * W) + a * W + col), mask=mask, other=0),)
         out = out + ((words, tl.load(s_ptr + sg, mask=rmask, other=0.0)[:, None]),)
         p_ptr += p_stride
         s_ptr += s_stride
@@ -797,13 +794,10 @@ def _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk0, r, rmask, rc, R: tl
 @triton.jit
 def _tile_words(p_ptr, p_stride, s_ptr, s_stride, tile, r, in_rows, R: tl.constexpr, A: tl.constexpr,
                 IN_GS: tl.constexpr, IN_BITS: tl.constexpr, K: tl.constexpr):
-    """_load_rows_words of tile ``tile`` (rows ``tile * R + r``; rows at and past ``in_rows`` sum to 0, so do those of
-    a tile past the end).  ``in_rows`` >= 1."""
+    """_load_rows_words of tile ``tile`` (rows ``tile * R + r``; rows at and past ``in_rows`` load zeros, so does a
+    tile past the end)."""
     blk = tile.to(tl.int64) * R
-    # the clamped row relative to blk: from -(programs * R) (a tile past the end) to R - 1, so int32
-    rc = tl.minimum(r, (in_rows - 1 - blk).to(tl.int32))
-    return _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk, r, blk + r < in_rows, rc, R, A, IN_GS, IN_BITS,
-                            K)
+    return _load_rows_words(p_ptr, p_stride, s_ptr, s_stride, blk, r, blk + r < in_rows, R, A, IN_GS, IN_BITS, K)
 
 
 @triton.jit
