@@ -156,7 +156,7 @@ def _try(name: str, device: torch.device) -> Tuple[Optional[Backend], str]:
 # benchmarks/results/kernels_h200.json at 64-2048 MiB and kernels_h200_chunk_counts.txt, seventh session): CUDA
 # leads op 1 by 8 points of copy bandwidth and op 5 by 2-3; op 4 by 1-2 points at 64-128 MiB, level at 512 MiB
 # and 11 points behind at 2 GiB (kept on CUDA: per-rank weight shards are mostly below that); Triton leads op 2
-# by 2-10 points at 2, 4 and 8 chunks, level (+-1) at 3, and op 3 by 1.5-11 points up to 8 chunks.  Every backend
+# by 1-10 points at 2 and 4-8 chunks, level (+-1) at 3, and op 3 by 1.5-11 points up to 8 chunks.  Every backend
 # gives the reference's bits, so mixing them changes speed only (and every rank makes the same choice from the
 # same lists).
 AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
@@ -167,10 +167,11 @@ AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
     "dequant_add_": ("cuda", "triton", "torch"),
 }
 # Ops whose order changes with the chunk count k (payloads.shape[0]): above max_k chunks, the second order.
-# Triton's op 3 runs a persistent kernel for 3..8 chunks (nodes) and its run-time chunk loop above; with that
-# loop it was slower than CUDA at k = 8 (76.7% vs 78.4% of copy at 512 MiB, 67.8% vs 73.5% at 64 MiB), so more
-# than 8 chunks take CUDA (k > 8 was not measured).
+# Measured at k = 12, 16 and 32 (benchmarks/results/fma_sum/chunk_counts_more.txt, 512 then 64 MiB): Triton's
+# op 3 runs its run-time chunk loop above 8 chunks (nodes) and was 6-9 points behind CUDA at 512 MiB and 11-12 at
+# 64 MiB; Triton's op 2 (GPUs per node) was 3-4 points behind at 512 MiB and up to 12 at 64 MiB (level at k = 16).
 AUTO_ORDER_MANY_CHUNKS: Dict[str, Tuple[int, Tuple[str, ...]]] = {
+    "dequant_sum_requant": (8, ("cuda", "triton", "torch")),
     "dequant_sum_inverse_hadamard": (8, ("cuda", "triton", "torch")),
 }
 
@@ -236,7 +237,7 @@ def get_backend(name: str = "auto", device="cpu") -> Backend:
     """The backend to use for tensors on ``device``.
 
     ``auto``: on CUDA devices each op from the first available backend of its ``AUTO_ORDER`` list (the fastest
-    measured; for op 3 by chunk count, ``AUTO_ORDER_MANY_CHUNKS``); anything else gets torch.  A named backend
+    measured; for ops 2 and 3 by chunk count, ``AUTO_ORDER_MANY_CHUNKS``); anything else gets torch.  A named backend
     that cannot run on ``device`` raises ``RuntimeError`` naming the reason (never a silent fallback).
     """
     if name not in BACKEND_NAMES and name not in _FACTORIES:

@@ -303,6 +303,7 @@ DSR_CASES = [
     (4, 128, None, 32, "random", SMALL_TILE, 256),  # 4 chunks of 8-bit codes: the persistent kernel, tiles looped
     (4, 128, 512, 30, "finite", SMALL_TILE, 512),  # the persistent kernel, zero-padded rows (m = 3840 of 4096)
     (8, 128, None, 12, "quantized", SMALL_TILE, 256),  # the persistent kernel with 8 chunks
+    (5, 128, None, 8, "random", SMALL_TILE, 128),  # and with 5
 ]
 
 

@@ -1086,10 +1086,11 @@ def _op2_row(k: int, group_size: int, out_group_size: int) -> int:
 # it was up to 3 points slower (rows of 64 at k = 2: 128 registers) or even, so those keep one program per tile
 # (benchmarks/results/triton_op2_persist/).  k = 8 needed 255 registers until chunk sums were fused (one FMA per
 # chunk): now 128, and the persistent kernel ran 82.5 / 97.9% of copy at 64 / 512 MiB instead of 79.0 / 95.6,
-# while k = 3 went from 73.5 / 81.7 to 75.1 / 78.5 and stays as it was (benchmarks/results/fma_sum/); k = 5..7 were
-# not measured.  Under the interpreter a few programs, so that the loop runs.
+# while k = 3 went from 73.5 / 81.7 to 75.1 / 78.5 and stays as it was; k = 5 went from 82.2 / 96.3 to 85.8 / 97.1,
+# but k = 6 and 7 fell from 80-81 / 95-98 to 69-75 / 84-85 and keep one program per tile (benchmarks/results/
+# fma_sum/).  Under the interpreter a few programs, so that the loop runs.
 _OP2_PERSIST = True
-_OP2_PERSIST_KS = (4, 8)
+_OP2_PERSIST_KS = (4, 5, 8)
 _PERSIST_PROGRAMS_PER_SM = 8
 # Op 3 the same way for 3..8 chunks (80 registers at k = 4, 128 at k = 8: 8 programs of 2 warps fit an SM).  On an
 # H200 at 64 / 128 / 512 MiB it ran k = 3 at 86.8 / 87.4 / 87.8% of copy instead of 78.9 / 82.3 / 84.3, k = 4 at
