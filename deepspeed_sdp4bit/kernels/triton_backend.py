@@ -1088,7 +1088,9 @@ def _op2_row(k: int, group_size: int, out_group_size: int) -> int:
 # chunk): now 128, and the persistent kernel ran 82.5 / 97.9% of copy at 64 / 512 MiB instead of 79.0 / 95.6,
 # while k = 3 went from 73.5 / 81.7 to 75.1 / 78.5 and stays as it was; k = 5 went from 82.2 / 96.3 to 85.8 / 97.1,
 # but k = 6 and 7 fell from 80-81 / 95-98 to 69-75 / 84-85 and keep one program per tile (benchmarks/results/
-# fma_sum/).  Under the interpreter a few programs, so that the loop runs.
+# fma_sum/).  (Compiled for sm_90, k = 5..7 take 167-168 registers where 4 and 8 take 128: only 6 of the 8
+# programs per SM are resident; capped at 128, 6 and 7 spill.)  Under the interpreter a few programs, so that the
+# loop runs.
 _OP2_PERSIST = True
 _OP2_PERSIST_KS = (4, 5, 8)
 _PERSIST_PROGRAMS_PER_SM = 8
