@@ -155,10 +155,10 @@ def _try(name: str, device: torch.device) -> Tuple[Optional[Backend], str]:
 # ``auto`` on CUDA devices: per op, the backends in order of measured speed (nvidia-h200,
 # benchmarks/results/kernels_h200.json at 64-2048 MiB and kernels_h200_chunk_counts.txt, seventh session): CUDA
 # leads op 1 by 8 points of copy bandwidth and op 5 by 2-3; op 4 by 1-2 points at 64-128 MiB, level at 512 MiB
-# and 11 points behind at 2 GiB (kept on CUDA: per-rank weight shards are mostly below that); Triton leads op 2
-# by 1-10 points at 2 and 4-8 chunks, level (+-1) at 3, and op 3 by 1.5-11 points up to 8 chunks.  Every backend
-# gives the reference's bits, so mixing them changes speed only (and every rank makes the same choice from the
-# same lists).
+# and 11 points behind at 2 GiB (kept on CUDA for its lead at the smaller sizes; the drop at 2 GiB was not looked
+# into); Triton leads op 2 by 1-10 points at 2 and 4-8 chunks, level (+-1) at 3, and op 3 by 1.5-11 points up to
+# 8 chunks.  Every backend gives the reference's bits, so mixing them changes speed only (and every rank makes the
+# same choice from the same lists).
 AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
     "hadamard_quantize": ("cuda", "triton", "torch"),
     "dequant_sum_requant": ("triton", "cuda", "torch"),
