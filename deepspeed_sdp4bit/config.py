@@ -56,7 +56,13 @@ class WeightsConfig(_Strict):
     rounding: Rounding = "nearest"
     # node = one replica per node (DeepSpeed hpZ secondary partition kept across steps),
     # full = every rank keeps all weights (the paper's Megatron setting; no gathers in forward/backward).
-    replica: Literal["node", "full"] = "node"
+    # Omitted = chosen when the engine is built (integration.choose_replica): full when the model's bf16 copy
+    # fits ``full_replica_budget`` of the accelerator's memory, node otherwise; the choice is logged once.
+    # (Never spelt "auto": HF accelerate takes every "auto" in a ds_config for its own placeholder.)
+    replica: Optional[Literal["node", "full"]] = None
+    # Fraction of one accelerator's memory the full bf16 replica (2 bytes per parameter) may take when
+    # ``replica`` is omitted.  0.25 leaves three quarters for activations, master weights and optimizer state.
+    full_replica_budget: float = Field(0.25, gt=0.0, le=1.0)
 
     @field_validator("group_size")
     @classmethod
@@ -124,6 +130,9 @@ class SDP4BitConfig(_Strict):
     seed: int = Field(1234, ge=0, lt=1 << 32)
     # Print the per-step communication summary every N optimizer steps on rank 0 (0 = never).
     summary_interval: int = Field(0, ge=0)
+    # With one node there is no slow link to save: SDP4Bit stays off (plain ZeRO-3, bit for bit) unless this
+    # is true.  Inside a node NVLink carries ZeRO-3's bf16 collectives faster than a quantized all-to-all.
+    quantize_single_node: bool = False
 
     @property
     def active(self) -> bool:
@@ -208,7 +217,9 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
                                  f"zero_optimization.zero_hpz_partition_size={hpz} makes no sense with it "
                                  f"(remove it or use replica='node')")
     gpn = cfg.topology.gpus_per_node
-    if (cfg.weights.enabled and cfg.weights.replica == "node" and hpz not in (None, 1) and gpn != "auto"
+    # An omitted replica with an explicit hpZ size > 1 becomes "node" (integration.choose_replica).
+    replica = cfg.weights.replica or ("node" if hpz not in (None, 1) else None)
+    if (cfg.weights.enabled and replica == "node" and hpz not in (None, 1) and gpn not in (None, "auto")
             and hpz != gpn):
         raise SDP4BitConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} must equal "
                                  f"sdp4bit.topology.gpus_per_node={gpn} (the replica is one copy per node)")

@@ -3,8 +3,10 @@
 ``install()`` (run by ``import deepspeed_sdp4bit``) patches, once per process:
 
 * ``deepspeed.initialize``: the ds_config (dict or path) goes through :func:`config.parse_ds_config` (a
-  misspelt top-level ``"sdp4bits"``, stage != 3, ZeRO++ keys and offload are refused, naming the key); with an
-  active ``"sdp4bit"`` block the config DeepSpeed sees is adjusted (hpZ size for ``replica="node"``,
+  misspelt top-level ``"sdp4bits"``, stage != 3, ZeRO++ keys and offload are refused, naming the key), then
+  :func:`plan_run` decides what runs: nothing at world size 1 or on one node (plain ZeRO-3, one log line
+  why; ``engine.sdp4bit`` is None), an omitted ``weights.replica`` chosen by memory (:func:`choose_replica`).
+  With an active ``"sdp4bit"`` block the config DeepSpeed sees is adjusted (hpZ size for ``replica="node"``,
   persistence thresholds for ``replica="full"``) and the returned engine gets an :class:`SDP4BitState`
   attached to its stage-3 optimizer (``engine.sdp4bit``, ``engine.sdp4bit_summary()``).
 * a handful of ``DeepSpeedZeroOptimizer_Stage3`` methods.  Every patched method first looks for the state of
@@ -40,6 +42,7 @@ checkpoints ``state_dict`` / ``_rigid_load_state_dict`` carry the bf16 replica p
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import logging
@@ -48,7 +51,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .config import SDP4BitConfig, SDP4BitConfigError, parse_ds_config
+from .config import SDP4BitConfig, SDP4BitConfigError, parse_ds_config, validate_against_ds_config
 from .topology import Topology, resolve_gpus_per_node
 
 logger = logging.getLogger("deepspeed_sdp4bit")
@@ -154,20 +157,82 @@ def _load_config(config) -> Dict[str, Any]:
     return load_ds_config(config)
 
 
-def prepare_ds_config(ds_config: Dict[str, Any], world_size: int) -> Tuple[Dict[str, Any], SDP4BitConfig]:
-    """Validate a ds_config dict and return (the config DeepSpeed should see, the parsed sdp4bit block).
+@dataclasses.dataclass
+class RunPlan:
+    """What SDP4Bit does in one run, decided before DeepSpeed builds anything (:func:`plan_run`).
 
-    With an active block the returned dict is a deep copy with:
+    Attributes:
+        ds_config: the config DeepSpeed should see (the caller's dict when SDP4Bit is off or inactive).
+        cfg: the block with every automatic choice made (``weights.replica`` filled in; ``enabled=False``
+            when SDP4Bit is off for this run, ``weights.enabled=False`` when only the weights are).
+        off_reason: why SDP4Bit is off although the block asks for it, else None.
+        notes: one line per automatic choice or per part turned off, for the log.
+    """
+
+    ds_config: Dict[str, Any]
+    cfg: SDP4BitConfig
+    off_reason: Optional[str] = None
+    notes: List[str] = dataclasses.field(default_factory=list)
+
+
+def choose_replica(gpus_per_node: int, n_params: Optional[int], budget: float, device_bytes: Optional[int],
+                   hpz: int = 1) -> Tuple[Optional[str], str]:
+    """The replica level for an omitted ``weights.replica``: (``"full"``, ``"node"`` or None = no replica
+    fits, so the weights go uncompressed), and why.
+
+    ``full`` when the model's bf16 copy (2 bytes per parameter) fits ``budget`` of one accelerator's memory,
+    ``node`` otherwise.  An explicit ``zero_hpz_partition_size > 1`` asks for the node layout.  With one rank
+    per node the node replica would be the whole model too, so only ``full`` (or nothing) is left.  Under
+    ``deepspeed.zero.Init`` the size is not known when parameters are partitioned (``n_params=None``): then
+    ``node`` (``full`` with one rank per node), the same answer in ``zero.Init`` and ``deepspeed.initialize``.
+    """
+    if hpz > 1:
+        return "node", f"zero_optimization.zero_hpz_partition_size={hpz} asks for per-node copies"
+    if n_params is None or not device_bytes:
+        what = "the model size is not known yet (deepspeed.zero.Init)" if n_params is None else \
+            "the accelerator's memory is not known"
+        return ("full" if gpus_per_node == 1 else "node"), what
+    need, allowed = 2 * int(n_params), budget * int(device_bytes)
+    fits = need <= allowed
+    why = (f"bf16 copy {need / 2**30:.2f} GiB {'<=' if fits else '>'} {budget:g} x {int(device_bytes) / 2**30:.1f} "
+           f"GiB accelerator memory (weights.full_replica_budget)")
+    if fits:
+        return "full", why
+    return ("node" if gpus_per_node > 1 else None), why
+
+
+def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int] = None,
+             device_bytes: Optional[int] = None) -> RunPlan:
+    """Validate a ds_config dict and decide what SDP4Bit does in a run of ``world_size`` data-parallel ranks.
+
+    Nothing to send, nothing done: with one rank, or one node without ``quantize_single_node``, SDP4Bit is
+    off and DeepSpeed gets the caller's config untouched (plain ZeRO-3, bit for bit).  A node replica on one
+    node would be each rank's own partition: the weights are then left to ZeRO-3.
+
+    With an active block the returned config is a deep copy with:
     * ``replica="node"`` (several nodes of several ranks): ``zero_hpz_partition_size = gpus_per_node``
       (DeepSpeed's secondary partition is our node replica); a different explicit value is refused.
     * ``replica="full"``: ``stage3_param_persistence_threshold`` / ``stage3_model_persistence_threshold``
       raised so that every parameter is persistent (kept whole on every rank); explicit smaller values are
       overridden with a warning (they are performance knobs; the replica must hold everything).
+    ``n_params`` / ``device_bytes`` size an omitted ``weights.replica`` (:func:`choose_replica`).
     Raises SDP4BitConfigError / NotImplementedError naming the offending key.
     """
     cfg = parse_ds_config(ds_config)
     if not cfg.active:
-        return ds_config, cfg
+        return RunPlan(ds_config, cfg)
+    try:
+        gpn = resolve_gpus_per_node(cfg.topology.gpus_per_node, world_size)
+    except ValueError as e:
+        raise SDP4BitConfigError(str(e)) from None
+    nodes = world_size // gpn
+    off = cfg.model_copy(update={"enabled": False})
+    if world_size == 1:
+        return RunPlan(ds_config, off, "world size 1: there is nothing to send")
+    if nodes == 1 and not cfg.quantize_single_node:
+        return RunPlan(ds_config, off, f"one node of {gpn} ranks: no inter-node link to save, and inside a node "
+                                       f"ZeRO-3's bf16 collectives are faster than quantized ones; set "
+                                       f"sdp4bit.quantize_single_node=true to quantize them anyway")
     ds = copy.deepcopy(ds_config)
     zero = ds.setdefault("zero_optimization", {})
     if ds.get("sequence_parallel_size", 1) not in (None, 1):
@@ -175,39 +240,89 @@ def prepare_ds_config(ds_config: Dict[str, Any], world_size: int) -> Tuple[Dict[
     for key in ("zenflow", "super_offload"):
         if zero.get(key):
             raise SDP4BitConfigError(f"zero_optimization.{key} cannot be combined with sdp4bit")
-    if cfg.weights.enabled:
-        try:
-            gpn = resolve_gpus_per_node(cfg.topology.gpus_per_node, world_size)
-        except ValueError as e:
-            raise SDP4BitConfigError(str(e)) from None
-        hpz = zero.get("zero_hpz_partition_size", 1) or 1
-        if cfg.weights.replica == "node":
-            nodes = world_size // gpn
-            if nodes > 1 and gpn == 1:
-                raise NotImplementedError(
-                    "sdp4bit.weights.replica='node' with one rank per node keeps the whole model on every rank: "
-                    "use sdp4bit.weights.replica='full' for that layout")
-            if nodes > 1:
-                if hpz not in (1, gpn):
-                    raise SDP4BitConfigError(
-                        f"zero_optimization.zero_hpz_partition_size={hpz} must equal the ranks per node "
-                        f"({gpn}, sdp4bit.topology.gpus_per_node) for sdp4bit.weights.replica='node'; "
-                        f"remove it and sdp4bit sets it")
-                zero["zero_hpz_partition_size"] = gpn
-            elif hpz != 1:
-                raise SDP4BitConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} with a single node: "
-                                         f"remove it (the node replica is each rank's own partition)")
+    notes: List[str] = []
+    hpz = zero.get("zero_hpz_partition_size", 1) or 1
+    w = cfg.weights
+    if w.enabled and w.replica is None:
+        replica, why = choose_replica(gpn, n_params, w.full_replica_budget, device_bytes, hpz)
+        if replica is None:
+            w = w.model_copy(update={"enabled": False})
+            notes.append(f"weights: uncompressed (no replica fits: {why}; one rank per node leaves no smaller "
+                         f"one); set sdp4bit.weights.replica to force one")
         else:
-            big = 1 << 62
-            for key in ("stage3_param_persistence_threshold", "stage3_model_persistence_threshold"):
-                alias = key[len("stage3_"):]
-                for k in (key, alias):
-                    if k in zero and int(zero[k]) < big:
-                        warnings.warn(f"sdp4bit.weights.replica='full' keeps every parameter whole on every "
-                                      f"rank: overriding zero_optimization.{k}={zero[k]}")
-                    zero.pop(k, None)
-                zero[key] = big
-    return ds, cfg
+            w = w.model_copy(update={"replica": replica})
+            notes.append(f"weights: replica {replica!r} ({why}); set sdp4bit.weights.replica to choose")
+    if w.enabled and w.replica == "node" and nodes == 1:
+        w = w.model_copy(update={"enabled": False})
+        notes.append("weights: left to ZeRO-3 (a node replica on one node is each rank's own partition: there is "
+                     "no copy to refresh)")
+    cfg = cfg.model_copy(update={"weights": w})
+    if not cfg.active:
+        return RunPlan(ds_config, cfg.model_copy(update={"enabled": False}), "; ".join(notes), notes)
+    validate_against_ds_config(cfg, ds_config)
+    if w.enabled and w.replica == "node":
+        if gpn == 1:
+            raise NotImplementedError(
+                "sdp4bit.weights.replica='node' with one rank per node keeps the whole model on every rank: "
+                "use sdp4bit.weights.replica='full' for that layout")
+        if hpz not in (1, gpn):
+            raise SDP4BitConfigError(
+                f"zero_optimization.zero_hpz_partition_size={hpz} must equal the ranks per node "
+                f"({gpn}, sdp4bit.topology.gpus_per_node) for sdp4bit.weights.replica='node'; "
+                f"remove it and sdp4bit sets it")
+        zero["zero_hpz_partition_size"] = gpn
+    elif w.enabled:
+        big = 1 << 62
+        for key in ("stage3_param_persistence_threshold", "stage3_model_persistence_threshold"):
+            alias = key[len("stage3_"):]
+            for k in (key, alias):
+                if k in zero and int(zero[k]) < big:
+                    warnings.warn(f"sdp4bit.weights.replica='full' keeps every parameter whole on every "
+                                  f"rank: overriding zero_optimization.{k}={zero[k]}")
+                zero.pop(k, None)
+            zero[key] = big
+    return RunPlan(ds, cfg, None, notes)
+
+
+def prepare_ds_config(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int] = None,
+                      device_bytes: Optional[int] = None) -> Tuple[Dict[str, Any], SDP4BitConfig]:
+    """``(config DeepSpeed should see, resolved sdp4bit block)`` of :func:`plan_run`."""
+    plan = plan_run(ds_config, world_size, n_params, device_bytes)
+    return plan.ds_config, plan.cfg
+
+
+def _say(msg: str) -> None:
+    """One line on data-parallel rank 0 (every rank takes the same decisions)."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized() or tdist.get_rank() == 0:
+        logger.warning("sdp4bit: %s", msg)
+
+
+def _model_size(model) -> Optional[int]:
+    """Parameter count of a model not yet partitioned, None for one built under ``deepspeed.zero.Init``
+    (whose replica level was chosen without the size: :func:`choose_replica` must answer the same)."""
+    if model is None:
+        return None
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        return None
+    return sum(p.numel() for p in params)
+
+
+def _device_bytes() -> Optional[int]:
+    from deepspeed.accelerator import get_accelerator
+
+    try:
+        return int(get_accelerator().total_memory())
+    except Exception:  # noqa: BLE001 - an accelerator that cannot say: the replica is chosen without it
+        return None
+
+
+def _mark_off(engine, reason: str) -> None:
+    """SDP4Bit off for this engine: plain ZeRO-3, with the reason reachable where users look for the state."""
+    engine.sdp4bit = None
+    engine.sdp4bit_summary = lambda: {"active": False, "reason": reason}
 
 
 def _make_initialize(orig_initialize):
@@ -242,9 +357,17 @@ def _make_initialize(orig_initialize):
         ds_dist.init_distributed(**init_kwargs)
         import torch.distributed as tdist
 
-        new_config, cfg = prepare_ds_config(ds_config, tdist.get_world_size())
+        plan = plan_run(ds_config, tdist.get_world_size(), n_params=_model_size(a.get("model")),
+                        device_bytes=_device_bytes())
+        new_config, cfg = plan.ds_config, plan.cfg
+        for line in plan.notes if plan.off_reason is None else []:
+            _say(line)
         if not cfg.active:
-            return orig_initialize(*bound.args, **bound.kwargs)
+            result = orig_initialize(*bound.args, **bound.kwargs)
+            if plan.off_reason is not None:
+                _say(f"off, training is plain ZeRO-3 ({plan.off_reason})")
+                _mark_off(result[0], plan.off_reason)
+            return result
         mpu = a.get("mpu")
         if mpu is not None and mpu.get_data_parallel_world_size() != tdist.get_world_size():
             raise NotImplementedError(
@@ -290,6 +413,8 @@ def _make_zero_init(orig_init):
                 import torch.distributed as tdist
 
                 ds_dist.init_distributed()
+                # The model does not exist yet: an omitted replica is chosen without its size, as
+                # deepspeed.initialize will do for a model partitioned here (choose_replica).
                 new_config, _ = prepare_ds_config(ds_config, tdist.get_world_size())
                 a[key] = new_config
                 _prepare_hpz_group(new_config)
@@ -541,12 +666,12 @@ class SDP4BitState:
     def summary(self) -> Dict[str, Any]:
         """Bytes this rank sent in the last optimizer step, per collective and level, vs the baseline.
 
-        ``{"step", "skipped", "gradients": {"bytes_by_level", "bytes", "baseline_bytes", "compression"},
+        ``{"active": True, "step", "skipped", "gradients": {"bytes_by_level", "bytes", "baseline_bytes", "compression"},
         "weights": {...}, "bytes", "baseline_bytes", "compression"}``.  The gradient baseline is the bf16
         ring reduce-scatter ZeRO-3 would run on the same buckets; the weight baseline is the same replica
         refresh sent unquantized (ZeRO-3's own forward/backward gathers of the replica are not counted).
         """
-        return copy.deepcopy(self.last_summary)
+        return {"active": True, **copy.deepcopy(self.last_summary)}
 
 
 def format_summary(s: Dict[str, Any]) -> str:

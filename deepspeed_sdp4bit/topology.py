@@ -55,7 +55,7 @@ def resolve_gpus_per_node(setting: Union[str, int], world_size: int) -> int:
     ``auto`` never looks at ``torch.cuda.device_count()``: the launcher knows how many ranks it started on
     this host, the hardware does not know how the user wants the job split into nodes.
     """
-    if setting == "auto":
+    if setting is None or setting == "auto":
         env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
         if env is None:
             raise ValueError("sdp4bit.topology.gpus_per_node is 'auto' but LOCAL_WORLD_SIZE is not set (the "

@@ -1,0 +1,102 @@
+"""What SDP4Bit decides to run before DeepSpeed builds anything (integration.plan_run / choose_replica).
+
+Pure functions of the ds_config, the world size, the model size and the accelerator's memory: no ranks.
+The engine-level consequences (plain ZeRO-3 bit for bit when off) are tested in the engine tests.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from deepspeed_sdp4bit import SDP4BitConfigError
+from deepspeed_sdp4bit.integration import choose_replica, plan_run
+
+GiB = 1 << 30
+
+
+def _ds(block=None, **zero):
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "bf16": {"enabled": True},
+           "zero_optimization": {"stage": 3, **zero}}
+    if block is not None:
+        cfg["sdp4bit"] = block
+    return cfg
+
+
+def test_world_size_one_is_off_and_untouched():
+    ds = _ds({"topology": {"gpus_per_node": 1}})
+    before = copy.deepcopy(ds)
+    plan = plan_run(ds, 1, n_params=1000, device_bytes=80 * GiB)
+    assert plan.ds_config is ds and ds == before   # DeepSpeed sees the caller's dict, unmodified
+    assert not plan.cfg.active and "world size 1" in plan.off_reason
+
+
+@pytest.mark.parametrize("gpn", [2, 4])
+def test_single_node_is_off_unless_asked(gpn):
+    plan = plan_run(_ds({"topology": {"gpus_per_node": gpn}}), gpn, n_params=1000, device_bytes=80 * GiB)
+    assert not plan.cfg.active and "one node" in plan.off_reason and "quantize_single_node" in plan.off_reason
+    assert plan.ds_config["zero_optimization"] == {"stage": 3}
+    # opted in: the gradients are quantized; a small model gets the full replica (all-gathered in the node)
+    on = plan_run(_ds({"topology": {"gpus_per_node": gpn}, "quantize_single_node": True}), gpn,
+                  n_params=1000, device_bytes=80 * GiB)
+    assert on.off_reason is None and on.cfg.active and on.cfg.gradients.enabled
+    assert on.cfg.weights.enabled and on.cfg.weights.replica == "full"
+
+
+def test_single_node_node_replica_leaves_weights_to_zero3():
+    block = {"topology": {"gpus_per_node": 4}, "quantize_single_node": True, "weights": {"replica": "node"}}
+    plan = plan_run(_ds(block), 4)
+    assert plan.cfg.active and plan.cfg.gradients.enabled and not plan.cfg.weights.enabled
+    assert "zero_hpz_partition_size" not in plan.ds_config["zero_optimization"]
+    assert any("own partition" in n for n in plan.notes)
+    # nothing left at all: off, with the reason
+    block["gradients"] = {"enabled": False}
+    plan = plan_run(_ds(block), 4)
+    assert not plan.cfg.active and "own partition" in plan.off_reason
+
+
+def test_omitted_replica_full_when_it_fits_the_budget():
+    block = {"topology": {"gpus_per_node": 2}}
+    small = plan_run(_ds(block), 4, n_params=1_000_000_000, device_bytes=80 * GiB)  # 2 GB <= 20 GB
+    assert small.cfg.weights.replica == "full" and small.off_reason is None
+    zero = small.ds_config["zero_optimization"]
+    assert zero["stage3_param_persistence_threshold"] >= 1 << 40 and "zero_hpz_partition_size" not in zero
+    assert any("replica 'full'" in n and "full_replica_budget" in n for n in small.notes)
+
+    big = plan_run(_ds(block), 4, n_params=20_000_000_000, device_bytes=80 * GiB)    # 40 GB > 20 GB
+    assert big.cfg.weights.replica == "node"
+    assert big.ds_config["zero_optimization"]["zero_hpz_partition_size"] == 2
+    # the budget is a key: half the memory lets the 40 GB copy be full
+    half = plan_run(_ds({**block, "weights": {"full_replica_budget": 0.5}}), 4, n_params=20_000_000_000,
+                    device_bytes=80 * GiB)
+    assert half.cfg.weights.replica == "full"
+
+
+def test_omitted_replica_one_rank_per_node():
+    block = {"topology": {"gpus_per_node": 1}}
+    assert plan_run(_ds(block), 4, n_params=10**6, device_bytes=80 * GiB).cfg.weights.replica == "full"
+    # too big for a full copy, and a node replica would be the whole model too: weights go uncompressed
+    plan = plan_run(_ds(block), 4, n_params=50 * 10**9, device_bytes=80 * GiB)
+    assert plan.cfg.active and plan.cfg.gradients.enabled and not plan.cfg.weights.enabled
+    assert any("uncompressed" in n for n in plan.notes)
+
+
+def test_omitted_replica_without_model_size_matches_zero_init():
+    # deepspeed.zero.Init partitions before the model exists: the same answer in both hooks
+    assert choose_replica(2, None, 0.25, 80 * GiB)[0] == "node"
+    assert choose_replica(1, None, 0.25, 80 * GiB)[0] == "full"
+    # an explicit hpZ size asks for per-node copies, and must still match gpus_per_node
+    assert choose_replica(2, 10, 0.25, 80 * GiB, hpz=2)[0] == "node"
+    with pytest.raises(SDP4BitConfigError, match="zero_hpz_partition_size"):
+        plan_run(_ds({"topology": {"gpus_per_node": 2}}, zero_hpz_partition_size=4), 4, n_params=10,
+                 device_bytes=80 * GiB)
+
+
+def test_explicit_replica_is_kept_whatever_the_size():
+    block = {"topology": {"gpus_per_node": 2}, "weights": {"replica": "node"}}
+    plan = plan_run(_ds(block), 4, n_params=10, device_bytes=80 * GiB)
+    assert plan.cfg.weights.replica == "node" and not plan.notes
+    with pytest.raises(NotImplementedError, match="replica='full'"):
+        plan_run(_ds({"topology": {"gpus_per_node": 1}, "weights": {"replica": "node"}}), 4)
