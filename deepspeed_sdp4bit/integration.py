@@ -47,6 +47,7 @@ import functools
 import inspect
 import logging
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -61,6 +62,7 @@ _STATE_ATTR = "_sdp4bit"          # on the stage-3 optimizer instance
 _CKPT_KEY = "sdp4bit"             # our entry in the optimizer state dict
 _INSTALLED = False
 _ORIG: Dict[str, Any] = {}
+_FULL_REPLICAS: "weakref.WeakSet[_Replica]" = weakref.WeakSet()   # live full replicas (GatheredParameters)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -109,6 +111,11 @@ def install() -> bool:
     if not getattr(Init.__init__, "_sdp4bit_wrapped", False):
         _ORIG["Init.__init__"] = Init.__init__
         Init.__init__ = _make_zero_init(Init.__init__)
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    if not getattr(GatheredParameters.__exit__, "_sdp4bit_wrapped", False):
+        _ORIG["GatheredParameters.__exit__"] = GatheredParameters.__exit__
+        GatheredParameters.__exit__ = _make_gathered_exit(GatheredParameters.__exit__)
 
     patches = {
         "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads": _avg_scatter_grads,
@@ -363,6 +370,7 @@ def _make_initialize(orig_initialize):
         for line in plan.notes if plan.off_reason is None else []:
             _say(line)
         if not cfg.active:
+            _prepare_hpz_group(ds_config)
             result = orig_initialize(*bound.args, **bound.kwargs)
             if plan.off_reason is not None:
                 _say(f"off, training is plain ZeRO-3 ({plan.off_reason})")
@@ -431,24 +439,191 @@ def _make_zero_init(orig_init):
     return __init__
 
 
-def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:
-    """Let a second engine in the process build its own hpZ group when the cached one has another size.
+def _make_gathered_exit(orig_exit):
+    """``deepspeed.zero.GatheredParameters`` partitions its parameters on exit, which would leave full-replica
+    parameters empty (the next forward would gather a second copy of them): point them at their replica
+    again, after re-synchronising every replica if a rank modified them (``modifier_rank``)."""
 
-    DeepSpeed keeps ONE module-level hpZ group and reuses it for every later engine; a cached group of a
-    different size would silently give the new engine the wrong secondary layout.
+    @functools.wraps(orig_exit)
+    def __exit__(self, *exc):
+        result = orig_exit(self, *exc)
+        if getattr(self, "enabled", True) and _FULL_REPLICAS:
+            ids = {id(p) for p in getattr(self, "params", ())}
+            for rep in list(_FULL_REPLICAS):
+                if any(i in rep for i in ids):
+                    rep.after_gathered(modified=getattr(self, "src_rank", None) is not None)
+        return result
+
+    __exit__._sdp4bit_wrapped = True
+    return __exit__
+
+
+def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:
+    """Drop DeepSpeed's cached hpZ group unless the engine about to be built wants one of that size.
+
+    DeepSpeed keeps ONE module-level hpZ group, and stage 3 adopts it for every later engine whatever that
+    engine's ``zero_hpz_partition_size``: after a node-replica engine, a plain ZeRO-3 or full-replica engine in
+    the same process would get secondary partitions it never asked for (seen: a full-replica run resumed
+    from a checkpoint after a node-replica engine diverged from the uninterrupted run at its second step).
+    Engines built earlier keep their group (each parameter holds its own reference).
     """
     from deepspeed.utils import groups
     import torch.distributed as tdist
 
     hpz = (ds_config.get("zero_optimization") or {}).get("zero_hpz_partition_size", 1) or 1
     cached = groups._get_zero_param_intra_parallel_group()
-    if cached is not None and hpz > 1 and tdist.get_world_size(cached) != hpz:
+    if cached is not None and (hpz <= 1 or tdist.get_world_size(cached) != hpz):
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the per-optimizer state
 # ----------------------------------------------------------------------------------------------------------
+class _Replica:
+    """The persistent bf16 replica of one engine: its layout, buffers, refresh, resync and ``p.data``.
+
+    Built once when SDP4Bit is attached; a step then runs one :meth:`WeightDeltaAllGather.refresh` per
+    optimizer sub-group with destination maps prepared here, and nothing per parameter in Python.
+
+    * ``layout[k]``: sub-group ``k``'s parameters as ``(param, offset in the flat partition, partition numel
+      P)``, DeepSpeed's flat partition order (the same on every rank).
+    * ``full``: ``flat[k]`` is ONE bf16 buffer per sub-group holding every parameter's full data back to back;
+      ``param.data`` is a view of it (:meth:`point_params`).  Source ``s``'s piece of parameter ``p`` is
+      elements ``[s*P, min((s+1)*P, numel))`` of ``p``'s view.
+    * ``node``: DeepSpeed's hpZ secondary tensors, created up front and kept (never invalidated): local rank
+      ``l`` keeps primary partitions ``l*N .. l*N+N-1`` of every parameter.
+    Invariant: every copy of a partition is bit-identical to its owner's bf16 partition.
+    """
+
+    def __init__(self, opt, state: "SDP4BitState"):
+        self.topology = state.topology
+        self.weights = state.weights
+        self.level = state.level
+        self.layout: List[List[Tuple[torch.nn.Parameter, int, int]]] = []
+        for group in opt.fp16_groups:
+            off, items = 0, []
+            for p in group:
+                P = p.partition_numel()
+                items.append((p, off, P))
+                off += P
+            self.layout.append(items)
+        self.params: List[torch.nn.Parameter] = [p for items in self.layout for p, _, _ in items]
+        self.flat: List[Optional[torch.Tensor]] = []
+        self._views: Dict[int, torch.Tensor] = {}
+        if self.level == "full":
+            for items in self.layout:
+                if not items:
+                    self.flat.append(None)
+                    continue
+                p0 = items[0][0]
+                buf = torch.empty(sum(p.ds_numel for p, _, _ in items), dtype=p0.ds_tensor.dtype,
+                                  device=p0.ds_tensor.device)
+                self.flat.append(buf)
+                for p, view in zip((p for p, _, _ in items), buf.split([p.ds_numel for p, _, _ in items])):
+                    self._views[id(p)] = view
+        # Destination maps of every sub-group, checked once (their views live as long as the buffers).
+        self._dst = [self.weights.prepare_dst(self._dst_map(k), opt.fp16_partitioned_groups_flat[k])
+                     for k in range(len(self.layout))]
+        self._opt = weakref.ref(opt)
+        if self.level == "full":
+            _FULL_REPLICAS.add(self)
+
+    def __getitem__(self, param_id: int) -> torch.Tensor:
+        """Full level: the replica buffer (bf16 [ds_numel]) of the parameter with this ``id``."""
+        return self._views[param_id]
+
+    def __contains__(self, param_id: int) -> bool:
+        return param_id in self._views
+
+    def _ensure_secondary(self, p) -> torch.Tensor:
+        """The hpZ secondary tensor of ``p`` (created here if DeepSpeed has not made it yet).
+
+        DeepSpeed creates it lazily when a gathered parameter is released (``_partition_param_sec``) and
+        drops it after every step; we create it up front (zero padding, like DeepSpeed) so the replica exists
+        from the first forward on.
+        """
+        from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
+
+        S = p.partition_numel() * self.topology.num_nodes
+        sec = p.ds_secondary_tensor
+        if sec is None or sec.numel() != S or sec.dtype != p.ds_tensor.dtype:
+            sec = torch.zeros(S, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
+            sec.requires_grad = False
+            sec.ds_numel = S
+            sec.status = PartitionedParamStatus.AVAILABLE
+            sec.final_location = None
+            p.ds_secondary_tensor = sec
+        return sec
+
+    def _dst_map(self, k: int) -> Dict[int, list]:
+        """{source rank: [(view, offset in the source's flat partition)]} of sub-group ``k``."""
+        me = self.topology.rank
+        dst: Dict[int, list] = {s: [] for s in self.weights.sources_needed() if s != me}
+        if self.level == "full":
+            for p, off, P in self.layout[k]:
+                buf, n = self._views[id(p)], p.ds_numel
+                for s in range(self.topology.world_size):
+                    lo = s * P
+                    if lo >= n:
+                        break
+                    dst.setdefault(s, []).append((buf[lo:min(lo + P, n)], off))
+        else:
+            # DeepSpeed's secondary partition of local rank l covers primary partitions l*N .. l*N+N-1.
+            N, l = self.topology.num_nodes, self.topology.local
+            for p, off, P in self.layout[k]:
+                sec = self._ensure_secondary(p)
+                for j in range(N):
+                    dst.setdefault(l * N + j, []).append((sec[j * P:(j + 1) * P], off))
+        return dst
+
+    def refresh(self, opt, k: int, step: int) -> None:
+        own = opt.fp16_partitioned_groups_flat[k]
+        if own.numel():
+            self.weights.refresh(opt.fp32_partitioned_groups_flat[k], own, self._dst[k], step=step, bucket_id=k)
+
+    def zero_padding(self, opt) -> None:
+        """Zero the alignment padding of the flat partitions (DeepSpeed leaves it uninitialized).
+
+        A NaN there would poison the absmax of its quantization group; zeros stay zero (zero gradient, and
+        Adam with weight decay keeps 0 at 0).
+        """
+        rank = self.topology.rank
+        for i, items in enumerate(self.layout):
+            for flat in (opt.fp16_partitioned_groups_flat[i], opt.fp32_partitioned_groups_flat[i]):
+                for p, off, P in items:
+                    real = max(0, min(P, p.ds_numel - rank * P))
+                    if real < P:
+                        flat.data[off + real:off + P].zero_()
+
+    def resync(self, opt) -> None:
+        """Exact re-synchronisation of every copy from the owners' bf16 partitions (collective)."""
+        opt._partition_all_parameters()
+        for k in range(len(self.layout)):
+            self.weights.full_sync(opt.fp16_partitioned_groups_flat[k], self._dst[k], bucket_id=k)
+        self.point_params()
+
+    def after_gathered(self, modified: bool) -> None:
+        """After a ``GatheredParameters`` context over some of our parameters (every rank calls it)."""
+        opt = self._opt()
+        if modified and opt is not None:
+            self.resync(opt)     # the owners' partitions hold what the modifier rank wrote
+        else:
+            self.point_params()
+
+    def point_params(self) -> None:
+        """Full level: make each parameter's data its replica view (what DeepSpeed's gather would make)."""
+        if self.level != "full":
+            return
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        for p in self.params:
+            if p.ds_status == ZeroParamStatus.INFLIGHT:
+                raise RuntimeError(f"sdp4bit: parameter {p.ds_id} is being gathered while its replica is "
+                                   f"re-pointed")
+            p.data = self._views[id(p)].view(p.ds_shape)
+            p.ds_status = ZeroParamStatus.AVAILABLE
+
+
 class SDP4BitState:
     """SDP4Bit attached to one ``DeepSpeedZeroOptimizer_Stage3`` instance (``engine.sdp4bit``).
 
@@ -482,17 +657,13 @@ class SDP4BitState:
         self.nonfinite: Optional[torch.Tensor] = None   # fp16: bool [] "a local gradient was not finite"
         self.last_summary: Dict[str, Any] = {}
         self._prev = self._cumulative()
-        # Per sub-group: [(param, offset in the flat partition, partition numel P)].
-        self.layout: List[List[Tuple[torch.nn.Parameter, int, int]]] = []
-        for group in optimizer.fp16_groups:
-            off, items = 0, []
-            for p in group:
-                P = p.partition_numel()
-                items.append((p, off, P))
-                off += P
-            self.layout.append(items)
-        self.replica: Dict[int, torch.Tensor] = {}   # full level: id(param) -> bf16 [ds_numel]
-        self._replica_params: List[torch.nn.Parameter] = []
+        # The persistent replica (layout, buffers, destination maps): built once, in attach().
+        self.replica: Optional[_Replica] = None
+
+    @property
+    def layout(self) -> List[List[Tuple[torch.nn.Parameter, int, int]]]:
+        """Per sub-group: [(param, offset in the flat partition, partition numel P)] (see :class:`_Replica`)."""
+        return self.replica.layout if self.replica is not None else []
 
     # -- gradients ----------------------------------------------------------------------------------------
     def reduce_grads(self, opt, params, grads, communication_data_type) -> List[torch.Tensor]:
@@ -534,99 +705,20 @@ class SDP4BitState:
 
     # -- weights ------------------------------------------------------------------------------------------
     def _node_replica_active(self) -> bool:
-        return self.level == "node" and self.topology.num_nodes > 1
-
-    def _ensure_secondary(self, p) -> torch.Tensor:
-        """The hpZ secondary tensor of ``p`` (created here if DeepSpeed has not made it yet).
-
-        DeepSpeed creates it lazily when a gathered parameter is released (``_partition_param_sec``) and
-        drops it after every step; we create it up front (zero padding, like DeepSpeed) so the replica exists
-        from the first forward on.
-        """
-        from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
-
-        S = p.partition_numel() * self.topology.num_nodes
-        sec = p.ds_secondary_tensor
-        if sec is None or sec.numel() != S or sec.dtype != p.ds_tensor.dtype:
-            sec = torch.zeros(S, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
-            sec.requires_grad = False
-            sec.ds_numel = S
-            sec.status = PartitionedParamStatus.AVAILABLE
-            sec.final_location = None
-            p.ds_secondary_tensor = sec
-        return sec
-
-    def _dst(self, sub_group_id: int) -> Dict[int, list]:
-        """Destination views of every kept source's flat partition of one sub-group (see weights.refresh)."""
-        me = self.topology.rank
-        dst: Dict[int, list] = {s: [] for s in self.weights.sources_needed() if s != me}
-        if self.level == "full":
-            for p, off, P in self.layout[sub_group_id]:
-                buf, n = self.replica[id(p)], p.ds_numel
-                for s in range(self.topology.world_size):
-                    lo = s * P
-                    if lo >= n:
-                        break
-                    dst.setdefault(s, []).append((buf[lo:min(lo + P, n)], off))
-        elif self._node_replica_active():
-            # DeepSpeed's secondary partition of local rank l covers primary partitions l*N .. l*N+N-1.
-            N, l = self.topology.num_nodes, self.topology.local
-            for p, off, P in self.layout[sub_group_id]:
-                sec = self._ensure_secondary(p)
-                for j in range(N):
-                    dst.setdefault(l * N + j, []).append((sec[j * P:(j + 1) * P], off))
-        # node level on one node: every rank keeps only its own partition (own_flat itself): nothing to add.
-        return dst
+        return self.level == "node"
 
     def refresh(self, opt, sub_group_id: int) -> None:
         """After the optimizer step of one sub-group: qWD instead of DeepSpeed's fp32 -> bf16 copy."""
-        own = opt.fp16_partitioned_groups_flat[sub_group_id]
-        master = opt.fp32_partitioned_groups_flat[sub_group_id]
-        if own.numel():
-            self.weights.refresh(master, own, self._dst(sub_group_id), step=self.step, bucket_id=sub_group_id)
-
-    def _zero_padding(self, opt) -> None:
-        """Zero the alignment padding of the flat partitions (DeepSpeed leaves it uninitialized).
-
-        A NaN there would poison the absmax of its quantization group; zeros stay zero (zero gradient, and
-        Adam with weight decay keeps 0 at 0).
-        """
-        rank = self.topology.rank
-        for i, items in enumerate(self.layout):
-            for flat in (opt.fp16_partitioned_groups_flat[i], opt.fp32_partitioned_groups_flat[i]):
-                for p, off, P in items:
-                    real = max(0, min(P, p.ds_numel - rank * P))
-                    if real < P:
-                        flat.data[off + real:off + P].zero_()
+        self.replica.refresh(opt, sub_group_id, self.step)
 
     def resync(self, opt) -> None:
         """Exact re-synchronisation of every replica from the owners' bf16 partitions (collective)."""
-        if self.weights is None:
-            return
-        opt._partition_all_parameters()
-        if self.level == "full" and not self.replica:
-            for items in self.layout:
-                for p, _, _ in items:
-                    self.replica[id(p)] = torch.empty(p.ds_numel, dtype=p.ds_tensor.dtype,
-                                                      device=p.ds_tensor.device)
-                    self._replica_params.append(p)
-        for i in range(len(self.layout)):
-            own = opt.fp16_partitioned_groups_flat[i]
-            self.weights.full_sync(own, self._dst(i), bucket_id=i)
-        self.point_params()
+        if self.replica is not None:
+            self.replica.resync(opt)
 
     def point_params(self) -> None:
-        """Full level: make each parameter's data the replica buffer (what DeepSpeed's gather would make)."""
-        if self.level != "full":
-            return
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        for p in self._replica_params:
-            if p.ds_status == ZeroParamStatus.INFLIGHT:
-                raise RuntimeError(f"sdp4bit: parameter {p.ds_id} is being gathered while its replica is "
-                                   f"re-pointed")
-            p.data = self.replica[id(p)].view(p.ds_shape)
-            p.ds_status = ZeroParamStatus.AVAILABLE
+        if self.replica is not None:
+            self.replica.point_params()
 
     # -- accounting ---------------------------------------------------------------------------------------
     def _cumulative(self) -> Dict[str, Dict[str, Any]]:
@@ -712,6 +804,7 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
         raise NotImplementedError("sdp4bit does not support AutoEP / AutoTP folding yet")
     state = SDP4BitState(opt, cfg)
     if state.weights is not None:
+        opt_params = [p for group in opt.fp16_groups for p in group]
         hpz = getattr(opt, "zero_hpz_partition_size", 1)
         want = state.topology.gpus_per_node if state._node_replica_active() else 1
         if hpz != want:
@@ -720,8 +813,7 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
         if state._node_replica_active():
             # A model partitioned earlier by a user-side deepspeed.zero.Init without hpZ keeps that Init's
             # (hpZ-less) gather code: it would gather our secondary tensors over the wrong group.
-            foreign = [p.ds_id for items in state.layout for p, _, _ in items
-                       if getattr(p, "ds_zero_param_process_group", None) is None]
+            foreign = [p.ds_id for p in opt_params if getattr(p, "ds_zero_param_process_group", None) is None]
             if foreign:
                 raise SDP4BitConfigError(
                     "the model was partitioned by deepspeed.zero.Init without zero_hpz_partition_size; build it "
@@ -729,12 +821,13 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
                     "world_size)[0] (it sets zero_hpz_partition_size = gpus_per_node), or use "
                     "sdp4bit.weights.replica='full'")
         if state.level == "full":
-            small = [p.ds_id for items in state.layout for p, _, _ in items if not p.ds_persist]
+            small = [p.ds_id for p in opt_params if not p.ds_persist]
             if small:
                 raise SDP4BitConfigError("sdp4bit.weights.replica='full' needs every parameter persistent "
                                          "(stage3_param_persistence_threshold); use deepspeed.initialize "
                                          "after importing deepspeed_sdp4bit so the config is adjusted")
-        state._zero_padding(opt)
+        state.replica = _Replica(opt, state)
+        state.replica.zero_padding(opt)
     setattr(opt, _STATE_ATTR, state)
     # Start from exact replicas: DeepSpeed built them from the initial bf16 weights, but a resync makes the
     # invariant (replica == owner's bf16 partition, bit for bit) hold by construction.
@@ -817,7 +910,7 @@ def _post_step(orig):
         if st is None or st.level != "full":
             return orig(self, timer_names)
         saved = self.persistent_parameters
-        ours = {id(p) for p in st._replica_params}
+        ours = {id(p) for p in st.replica.params}
         self.persistent_parameters = [p for p in saved if id(p) not in ours]
         try:
             orig(self, timer_names)
@@ -927,7 +1020,7 @@ def _checkpoint_event_epilogue(orig):
         if st is None or st.weights is None:
             return orig(self)
         st.resync(self)
-        rest = [p for p in self.persistent_parameters if id(p) not in {id(q) for q in st._replica_params}]
+        rest = [p for p in self.persistent_parameters if id(p) not in st.replica]
         if st.level == "full" and rest:
             rest[0].all_gather(rest)
         elif st.level != "full" and self.persistent_parameters:

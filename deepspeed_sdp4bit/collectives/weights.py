@@ -80,6 +80,18 @@ DstMap = Dict[int, Sequence[DstItem]]
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class PreparedDst:
+    """A destination map checked once (:meth:`WeightDeltaAllGather.prepare_dst`) for partitions of ``M``
+    elements of one dtype and device; :meth:`~WeightDeltaAllGather.refresh` and
+    :meth:`~WeightDeltaAllGather.full_sync` take it without walking every view again."""
+
+    __slots__ = ("views", "M", "dtype", "device")
+
+    def __init__(self, views: Dict[int, List[Tuple[torch.Tensor, int]]], M: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.views, self.M, self.dtype, self.device = views, M, dtype, device
+
+
 def _copy_many(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
     """``dst.copy_(src)`` for each pair, as one multi-tensor launch where torch has one."""
     copy_ = getattr(torch, "_foreach_copy_", None)
@@ -116,6 +128,9 @@ class WeightDeltaAllGather:
         if not isinstance(cfg, WeightsConfig):
             raise TypeError(f"cfg must be a WeightsConfig, got {type(cfg).__name__}")
         level = cfg.replica if level is None else level
+        if level is None:
+            raise ValueError(f"level must be one of {LEVELS}: cfg.replica is omitted (the integration chooses it "
+                             f"per run), so pass level=")
         if level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
         if not isinstance(seed, int) or seed < 0:
@@ -242,6 +257,21 @@ class WeightDeltaAllGather:
             out[s] = norm
         return out
 
+    def prepare_dst(self, dst: DstMap, own_flat: torch.Tensor) -> PreparedDst:
+        """Check ``dst`` (as :meth:`refresh` takes it) once against partitions shaped like ``own_flat``."""
+        self._check_flat("own_flat", own_flat, (torch.bfloat16, torch.float16, torch.float32))
+        M = own_flat.numel()
+        return PreparedDst(self._normalize_dst(dst, M, own_flat.dtype, own_flat.device), M, own_flat.dtype,
+                           own_flat.device)
+
+    def _views(self, dst, M: int, dtype: torch.dtype, device: torch.device):
+        if isinstance(dst, PreparedDst):
+            if (dst.M, dst.dtype, dst.device) != (M, dtype, device):
+                raise ValueError(f"a prepared dst for M={dst.M} {dst.dtype} on {dst.device} was given a "
+                                 f"partition of M={M} {dtype} on {device}")
+            return dst.views
+        return self._normalize_dst(dst, M, dtype, device)
+
     def _check_consistent(self, M: int, bucket_id: int, device: torch.device) -> None:
         """Once per (bucket, M): all ranks agree on M and the settings (else collectives would hang)."""
         key = (bucket_id, M)
@@ -319,6 +349,7 @@ class WeightDeltaAllGather:
                 first at source offset 0) or a ``(view, source_offset)`` pair; view k receives source
                 elements ``[offset, offset + len)``.  Every source of :meth:`sources_needed` other than this
                 rank must be a key; this rank's items (if given) get a copy of the updated ``own_flat``.
+                Or a :class:`PreparedDst` of such a map (:meth:`prepare_dst`), checked once.
             step: optimizer step (stochastic-rounding stream).
             bucket_id: distinguishes buckets of one step (stream; buffers are shared).
         """
@@ -332,7 +363,7 @@ class WeightDeltaAllGather:
         if master_flat.device != own_flat.device:
             raise ValueError(f"master_flat is on {master_flat.device}, own_flat on {own_flat.device}")
         dev = own_flat.device
-        views = self._normalize_dst(dst, M, own_flat.dtype, dev)
+        views = self._views(dst, M, own_flat.dtype, dev)
         self._check_consistent(M, int(bucket_id), dev)
         backend = self._resolve_backend(dev)
         bits, gs = self.bits, self.group_size
@@ -443,7 +474,7 @@ class WeightDeltaAllGather:
                 raise ValueError(f"master_flat has {master_flat.numel()} elements but own_flat has {M}")
             own_flat.copy_(master_flat)
         dev = own_flat.device
-        views = self._normalize_dst(dst, M, own_flat.dtype, dev)
+        views = self._views(dst, M, own_flat.dtype, dev)
         self._check_consistent(M, int(bucket_id), dev)
         B = M * own_flat.element_size()
         send = own_flat.view(torch.uint8)
