@@ -256,6 +256,43 @@ def dequant_add_plan(replica: torch.Tensor, payload: torch.Tensor, scales: torch
     return diff
 
 
+def dequant_add_segments_plan(dst: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                              group_size: int, mode: str, segments: Any) -> bool:
+    """Op 6's argument checks, shared by all backends (``dequant_add_segments_``'s arguments); True for 'diff'.
+
+    O(1) per call: everything about the segments themselves was checked when the plan was built.  ``dst`` must
+    be a 1-D contiguous float buffer on the plan's device holding at least ``segments.dst_end`` elements; the
+    payload must hold whole groups (one scale each) and at least ``segments.src_end`` codes.
+    """
+    from ..segments import SegmentPlan  # a leaf module
+    check_float(dst, "dst")
+    check_typed(payload, "payload", torch.uint8)
+    check_typed(scales, "scales", torch.float32)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    diff = check_mode(mode)
+    if not isinstance(segments, SegmentPlan):
+        raise TypeError(f"segments must be a SegmentPlan (deepspeed_sdp4bit.segments.make_segment_plan), got "
+                        f"{type(segments).__name__}")
+    if dst.dim() != 1 or not dst.is_contiguous():
+        raise ValueError(f"dst must be a contiguous 1-D buffer (it is updated in place), got shape "
+                         f"{tuple(dst.shape)}")
+    if dst.device != segments.device:
+        raise ValueError(f"dst is on {dst.device} but the segment plan was built for {segments.device}")
+    if dst.numel() < segments.dst_end:
+        raise ValueError(f"dst has {dst.numel()} elements, the segments write up to {segments.dst_end}")
+    if payload.device != dst.device or scales.device != dst.device:
+        raise ValueError(f"payload ({payload.device}) and scales ({scales.device}) must be on dst's device "
+                         f"{dst.device}")
+    ncodes = payload.numel() * 8 // bits
+    if ncodes < segments.src_end:
+        raise ValueError(f"payload holds {ncodes} codes, the segments read up to {segments.src_end}")
+    if ncodes % group_size or scales.numel() != ncodes // group_size:
+        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
+                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
+    return diff
+
+
 def backend_from(name: str, source: Any, probe: Callable[[torch.device], Tuple[bool, str]]) -> "_ops.Backend":
     """``ops.Backend(name, ...)`` with the ops named in ``ops.OP_NAMES`` taken from ``source``.
 
