@@ -113,7 +113,8 @@ class SegmentPlan:
                 dsts.append(self.dst[d: d + n])
                 srcs.append(src[s: s + n])
             # (the cached slices keep src's storage alive, so its address cannot be reused by another tensor)
-            self._copy_cache = (key, dsts, srcs) if cache else None
+            if cache:
+                self._copy_cache = (key, dsts, srcs)
         copy_ = getattr(torch, "_foreach_copy_", None)
         if copy_ is not None and len(dsts) > 1:
             copy_(dsts, srcs)
@@ -131,9 +132,10 @@ def tile_table(src_offset: torch.Tensor, dst_offset: torch.Tensor, length: torch
     of ``block`` in destination coordinates, in segment order."""
     if block < 1:
         raise ValueError(f"block must be positive, got {block}")
-    if length.numel() == 0:
+    keep = length > 0
+    d0, s0, ln = dst_offset[keep].to(torch.int64), src_offset[keep].to(torch.int64), length[keep].to(torch.int64)
+    if ln.numel() == 0:
         return torch.zeros(0, 3, dtype=torch.int64)
-    d0, s0, ln = dst_offset.to(torch.int64), src_offset.to(torch.int64), length.to(torch.int64)
     first = d0 // block
     last = (d0 + ln - 1) // block
     per = last - first + 1                                  # tiles of each segment
