@@ -232,25 +232,36 @@ def weight_delta_plan(master: torch.Tensor, replica: torch.Tensor, bits: int, gr
     return qmax, stoch, diff, R.num_groups(replica.numel(), group_size)
 
 
+def _update_checks(dst: torch.Tensor, name: str, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                   group_size: int, mode: str) -> bool:
+    """The argument checks ops 5 and 6 share: a float destination, uint8 payload, fp32 scales, bits, group size
+    and mode (True for 'diff')."""
+    check_float(dst, name)
+    check_typed(payload, "payload", torch.uint8)
+    check_typed(scales, "scales", torch.float32)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    return check_mode(mode)
+
+
+def _check_whole_groups(ncodes: int, scales: torch.Tensor, group_size: int) -> None:
+    if ncodes % group_size or scales.numel() != ncodes // group_size:
+        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
+                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
+
+
 def dequant_add_plan(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
                      group_size: int, mode: str) -> bool:
     """Op 5's argument checks, shared by both backends (``dequant_add_``'s arguments); True for 'diff'.
 
     The payload must hold at least ``replica.numel()`` codes in whole groups, with one scale per group.
     """
-    check_float(replica, "replica")
-    check_typed(payload, "payload", torch.uint8)
-    check_typed(scales, "scales", torch.float32)
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    diff = check_mode(mode)
+    diff = _update_checks(replica, "replica", payload, scales, bits, group_size, mode)
     ncodes = payload.numel() * 8 // bits
     n = replica.numel()
     if ncodes < n:
         raise ValueError(f"payload holds {ncodes} codes for a replica of {n}")
-    if ncodes % group_size or scales.numel() != ncodes // group_size:
-        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
-                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
+    _check_whole_groups(ncodes, scales, group_size)
     if not replica.is_contiguous():
         raise ValueError("replica must be contiguous (it is updated in place)")
     return diff
@@ -265,12 +276,7 @@ def dequant_add_segments_plan(dst: torch.Tensor, payload: torch.Tensor, scales: 
     payload must hold whole groups (one scale each) and at least ``segments.src_end`` codes.
     """
     from ..segments import SegmentPlan  # a leaf module
-    check_float(dst, "dst")
-    check_typed(payload, "payload", torch.uint8)
-    check_typed(scales, "scales", torch.float32)
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    diff = check_mode(mode)
+    diff = _update_checks(dst, "dst", payload, scales, bits, group_size, mode)
     if not isinstance(segments, SegmentPlan):
         raise TypeError(f"segments must be a SegmentPlan (deepspeed_sdp4bit.segments.make_segment_plan), got "
                         f"{type(segments).__name__}")
@@ -287,9 +293,7 @@ def dequant_add_segments_plan(dst: torch.Tensor, payload: torch.Tensor, scales: 
     ncodes = payload.numel() * 8 // bits
     if ncodes < segments.src_end:
         raise ValueError(f"payload holds {ncodes} codes, the segments read up to {segments.src_end}")
-    if ncodes % group_size or scales.numel() != ncodes // group_size:
-        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
-                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
+    _check_whole_groups(ncodes, scales, group_size)
     return diff
 
 
