@@ -378,30 +378,22 @@ def _dequant_add_segments_kernel(dst_ptr, p_ptr, s_ptr, tiles_ptr, GS: tl.conste
     g = tl.arange(0, BLOCK)
     whole = (cnt == BLOCK) & (src0 % 16 == 0) & (dst0 % 16 == 0)
     if whole:
-        s = tl.multiple_of(src0, 16) + g
-        d = tl.multiple_of(dst0, 16) + g
-        if BITS == 8:
-            c = tl.load(p_ptr + s).to(tl.float32)
-        else:
-            byte = tl.load(p_ptr + (s >> 1)).to(tl.int32)
-            nib = (byte >> ((s & 1) * 4).to(tl.int32)) & 0xF
-            c = tl.where(nib >= 8, nib - 16, nib).to(tl.float32)
-        deq = c * tl.load(s_ptr + s // GS)
-        if DIFF:
-            if R_KIND == 2:
-                rb = tl.load(dst_ptr + d).to(tl.uint16, bitcast=True).to(tl.uint32)
-                deq = (rb << 16).to(tl.float32, bitcast=True) + deq
-            else:
-                deq = tl.load(dst_ptr + d).to(tl.float32) + deq
-        _store_from_f32(dst_ptr + d, deq, g < BLOCK, R_KIND)
+        # (x // 16) * 16 == x here; written so, the compiler knows the starts are multiples of 16, and the mask is
+        # all true at compile time: vector loads and stores
+        _segment_tile((src0 // 16) * 16 + g, (dst0 // 16) * 16 + g, g < BLOCK, dst_ptr, p_ptr, s_ptr, GS, BITS,
+                      DIFF, R_KIND)
     else:
-        mask = g < cnt
-        s = src0 + g
-        deq = _load_codes_f32(p_ptr, s, mask, BITS) * tl.load(s_ptr + s // GS, mask=mask, other=0.0)
-        d = dst0 + g
-        if DIFF:
-            deq = _load_f32(dst_ptr + d, mask, R_KIND) + deq
-        _store_from_f32(dst_ptr + d, deq, mask, R_KIND)
+        _segment_tile(src0 + g, dst0 + g, g < cnt, dst_ptr, p_ptr, s_ptr, GS, BITS, DIFF, R_KIND)
+
+
+@triton.jit
+def _segment_tile(s, d, mask, dst_ptr, p_ptr, s_ptr, GS: tl.constexpr, BITS: tl.constexpr, DIFF: tl.constexpr,
+                  R_KIND: tl.constexpr):
+    """dst[d] = cast(float(dst[d]) + code[s] * scale[s // GS]) (or cast(code * scale)) where ``mask``."""
+    deq = _load_codes_f32(p_ptr, s, mask, BITS) * tl.load(s_ptr + s // GS, mask=mask, other=0.0)
+    if DIFF:
+        deq = _load_f32(dst_ptr + d, mask, R_KIND) + deq
+    _store_from_f32(dst_ptr + d, deq, mask, R_KIND)
 
 
 # ----------------------------------------------------------------------------------------------------------
