@@ -16,6 +16,10 @@ the same swizzle, ``quantized_reduction`` vs op 2 with 4-bit input, ``quantize``
 
 Usage: ``python benchmarks/bench_kernels.py --out results.json [--sizes-mb 8,32,128,512,2048]
 [--backends cuda,triton] [--no-deepspeed]``.  Prints a table, writes all numbers as JSON to ``--out``.
+
+``--segments`` instead times op 6 (``dequant_add_segments_``) on a layout-true replica refresh (see
+:func:`bench_segments`): every source's payload applied to one flat bf16 buffer holding a GPT's parameters, against
+the windowed torch path it replaced and a device copy of the same bytes.
 """
 
 from __future__ import annotations
@@ -327,6 +331,152 @@ def _ds_cases_g(size: int, ds, G: int, gradient_config: bool):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# op 6 on a layout-true replica refresh
+# ----------------------------------------------------------------------------------------------------------
+def gpt_param_sizes(layers: int, d: int, vocab: int, seq: int) -> List[int]:
+    """numel of a GPT-2 style model's parameters in ``model.parameters()`` order (embeddings, per layer: ln1 w/b,
+    qkv w/b, proj w/b, ln2 w/b, fc1 w/b, fc2 w/b; final ln w/b).  24 layers, d 2048, vocab 50304: 1.31 B."""
+    layer = [d, d, 3 * d * d, 3 * d, d * d, d, d, d, 4 * d * d, 4 * d, 4 * d * d, d]
+    return [vocab * d, seq * d] + layer * layers + [d, d]
+
+
+def _old_windowed_apply(payload, scales, items, backend, bits, gs, mode, scratch_elements=1 << 22):
+    """The receivers' path that op 6 replaced (collectives/weights.py before it): op 5 for views starting on a group
+    boundary, windowed torch code for the rest.  Kept here, verbatim in its arithmetic, as the baseline."""
+    unaligned = []
+    for view, off in items:
+        L = view.numel()
+        if off % gs == 0:
+            g0, ng = off // gs, R.num_groups(L, gs)
+            backend.dequant_add_(view, payload[g0 * gs * bits // 8: (g0 + ng) * gs * bits // 8],
+                                 scales[g0: g0 + ng], bits, gs, mode)
+        else:
+            unaligned.append((view, off))
+    if not unaligned:
+        return
+    win = max(1, scratch_elements // gs) * gs
+    lo = min(off for _, off in unaligned) // gs * gs
+    hi = max(R.num_groups(off + v.numel(), gs) for v, off in unaligned) * gs
+    scratch = torch.empty(min(win, hi - lo), dtype=torch.float32, device=payload.device)
+    for w0 in range(lo, hi, win):
+        w1 = min(w0 + win, hi)
+        pieces = [(v, off, max(off, w0), min(off + v.numel(), w1)) for v, off in unaligned]
+        pieces = [p for p in pieces if p[2] < p[3]]
+        if not pieces:
+            continue
+        deq = scratch[: w1 - w0]
+        codes = R.unpack_codes(payload[w0 * bits // 8: w1 * bits // 8], bits)
+        torch.mul(codes.view(-1, gs).float(), scales[w0 // gs: w1 // gs].view(-1, 1), out=deq.view(-1, gs))
+        parts = [view[a - off: b - off] for view, off, a, b in pieces]
+        d = torch.cat([deq[a - w0: b - w0] for _, _, a, b in pieces])
+        cur = torch.cat(parts)
+        new = (cur.float() + d).to(cur.dtype) if mode == "diff" else d.to(cur.dtype)
+        torch._foreach_copy_(parts, list(new.split([p.numel() for p in parts])))
+
+
+def _eager_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``fn()`` timed eagerly with CUDA events (host overhead included)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def bench_segments(args) -> Dict[str, object]:
+    """Op 6 on the replica refresh of one rank at replica "full": ``--seg-world`` ranks, the GPT of
+    :func:`gpt_param_sizes` as ONE flat bf16 buffer (parameters back to back), one sub-group (the flat partition of
+    every parameter's piece, DeepSpeed's ``P_i = ceil(numel_i / world)``), 4-bit codes in groups of 2048, diff.
+
+    Rank 0 applies the payloads of sources 1..world-1 (random codes and scales): per source one op 6 call with a
+    plan built beforehand, against the windowed path it replaced (op 5 of the cuda backend for group-aligned
+    views) on the same views.  Bytes touched per source: its codes and scales for the pieces + 2 x the pieces' bf16
+    bytes (read and write); percent of a device copy (``copy_bandwidth``) of the same bytes.  Both paths are timed
+    eagerly (host overhead included: one call per source is what a refresh does); op 6 is also timed in a CUDA
+    graph (kernels only).  The results of the two paths are compared bit for bit.
+    """
+    from deepspeed_sdp4bit.segments import make_segment_plan
+    bits, gs, mode, W = 4, 2048, "diff", args.seg_world
+    sizes = gpt_param_sizes(args.seg_layers, args.seg_d, args.seg_vocab, args.seg_seq)
+    P = [-(-n // W) for n in sizes]
+    offs = [0]
+    for p in P[:-1]:
+        offs.append(offs[-1] + p)
+    M = sum(P)
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    N = sum(sizes)
+    Mpad = R.padded_numel(M, gs)
+    flat = torch.randn(N, device="cuda").bfloat16()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pay = {s: torch.randint(0, 256, (Mpad * bits // 8,), dtype=torch.uint8, device="cuda", generator=g)
+           for s in range(1, W)}
+    sc = {s: torch.rand(Mpad // gs, device="cuda", generator=g) * 1e-3 for s in range(1, W)}
+    plans, items = {}, {}
+    unaligned_elems = total_elems = 0
+    t0 = time.time()
+    for s in range(1, W):
+        segs = [(offs[i], starts[i] + s * P[i], max(0, min(P[i], n - s * P[i]))) for i, n in enumerate(sizes)]
+        segs = [x for x in segs if x[2] > 0]
+        plans[s] = make_segment_plan(*zip(*segs), flat, src_numel=M)
+        items[s] = [(flat[d: d + L], o) for o, d, L in segs]
+        total_elems += sum(L for _, _, L in segs)
+        unaligned_elems += sum(L for o, _, L in segs if o % gs)
+    plan_s = time.time() - t0
+    backends = {k: v for k, v in load_backends([b for b in args.backends.split(",") if b]).items()
+                if not isinstance(v, str)}
+    if "cuda" not in backends:
+        sys.exit("--segments needs the cuda backend (the old path's op 5 and the reference timing)")
+    cuda_b = backends["cuda"]
+    srcs = list(range(1, W))
+    touched = sum(plans[s].numel * (2 * 2 + bits / 8) + 4 * R.num_groups(plans[s].numel, gs) for s in srcs)
+    cp = copy_bandwidth(int(touched) // 2)  # copy_bandwidth counts read + write of its size
+    res = {"layout": dict(layers=args.seg_layers, d=args.seg_d, vocab=args.seg_vocab, seq=args.seg_seq, world=W,
+                          params=len(sizes), numel=N, partition_numel=M, group_size=gs, bits=bits, mode=mode,
+                          sources_applied=len(srcs), elements_applied=total_elems,
+                          unaligned_fraction=unaligned_elems / total_elems, plan_build_s=plan_s),
+           "bytes_touched": touched, "copy": cp, "rows": []}
+
+    def row(name, ms, timing):
+        gbps = touched / (ms / 1e3) / 1e9
+        res["rows"].append(dict(path=name, ms=ms, gbps=gbps, pct_copy=100 * gbps / cp["gbps"], timing=timing))
+        print(f"  {name:34s} {ms:9.3f} ms {gbps:7.0f} GB/s {100 * gbps / cp['gbps']:6.1f}% copy  [{timing}]")
+
+    print(f"layout: {len(sizes)} params, {N / 1e9:.3f} B elements, M = {M} per rank, {len(srcs)} sources, "
+          f"{100 * unaligned_elems / total_elems:.1f}% of the applied elements in views not on a group boundary; "
+          f"plans built in {plan_s:.2f} s; {touched / 1e9:.3f} GB touched; copy {cp['gbps']:.0f} GB/s")
+    for name, b in backends.items():
+        run = (lambda b=b: [b.dequant_add_segments_(flat, pay[s], sc[s], bits, gs, mode, plans[s]) for s in srcs])
+        row(f"op6 {name} (eager)", _eager_ms(run, args.reps), "eager")
+        t = time_calls([run], int(touched), args.reps)
+        row(f"op6 {name} (graph)", t["median_s"] * 1e3, t["timing"][:10])
+    old = (lambda: [_old_windowed_apply(pay[s], sc[s], items[s], cuda_b, bits, gs, mode) for s in srcs])
+    row("old windowed + op5 cuda (eager)", _eager_ms(old, max(3, args.reps // 3)), "eager")
+    # bit for bit: the two paths from the same start
+    start = flat.clone()
+    for name, b in backends.items():
+        flat.copy_(start)
+        for s in srcs:
+            b.dequant_add_segments_(flat, pay[s], sc[s], bits, gs, mode, plans[s])
+        new = flat.clone()
+        flat.copy_(start)
+        old()
+        res.setdefault("bit_identical_to_old", {})[name] = bool(torch.equal(new.view(torch.int16),
+                                                                            flat.view(torch.int16)))
+        del new
+    print(f"op 6 bit-identical to the old path: {res['bit_identical_to_old']}")
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
@@ -336,9 +486,25 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--single-pass-mb", type=int, default=0,
                     help="run each op of the cuda backend once at this size and exit (for a profiler such as ncu)")
+    ap.add_argument("--segments", action="store_true",
+                    help="time op 6 on a layout-true replica refresh instead (bench_segments), write --out, exit")
+    ap.add_argument("--seg-layers", type=int, default=24)
+    ap.add_argument("--seg-d", type=int, default=2048)
+    ap.add_argument("--seg-vocab", type=int, default=50304)
+    ap.add_argument("--seg-seq", type=int, default=2048)
+    ap.add_argument("--seg-world", type=int, default=4)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA device")
+    if args.segments:
+        props = torch.cuda.get_device_properties(0)
+        out = {"device": props.name, "torch": torch.__version__, "cuda": torch.version.cuda, "argv": sys.argv,
+               "method": bench_segments.__doc__, "segments": bench_segments(args)}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+        print(f"wrote {args.out}")
+        return
     if args.single_pass_mb:
         b = load_backends(["cuda"])["cuda"]
         if isinstance(b, str):

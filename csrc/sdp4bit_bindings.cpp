@@ -332,16 +332,15 @@ std::string weight_delta_quantize(const at::Tensor& master, at::Tensor& replica,
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// op 5
+// ops 5 and 6
 // ---------------------------------------------------------------------------------------------------------
-std::string dequant_add_(at::Tensor& replica, const at::Tensor& payload, const at::Tensor& scales, int64_t bits,
-                         int64_t group_size, int64_t diff)
+// what both replica updates check: the destination (CUDA, contiguous, float; sets kind), bits, group size, mode,
+// a uint8 payload and fp32 scales on its device
+std::string check_update(const at::Tensor& dst, const char* name, const at::Tensor& payload, const at::Tensor& scales,
+                         int64_t bits, int64_t group_size, int64_t diff, const at::Device& device, FloatKind* kind)
 {
-    SDP_REQUIRE(replica.defined() && replica.is_cuda(), "replica must be a CUDA tensor");
-    const at::Device device = replica.device();
-    SDP_TRY(check_cuda(replica, "replica", device));
-    FloatKind kind;
-    SDP_TRY(float_kind(replica, "replica", &kind));
+    SDP_TRY(check_cuda(dst, name, device));
+    SDP_TRY(float_kind(dst, name, kind));
     SDP_TRY(check_bits(bits, "bits"));
     SDP_TRY(check_group(group_size, "group_size"));
     SDP_TRY(check_mode(diff));
@@ -349,12 +348,29 @@ std::string dequant_add_(at::Tensor& replica, const at::Tensor& payload, const a
     SDP_TRY(check_dtype(payload, "payload", at::kByte));
     SDP_TRY(check_cuda(scales, "scales", device));
     SDP_TRY(check_dtype(scales, "scales", at::kFloat));
-    const int64_t n = replica.numel();
-    const int64_t codes = payload.numel() * 8 / bits;
-    SDP_REQUIRE(codes >= n, "payload holds ", codes, " codes for a replica of ", n);
+    return {};
+}
+
+// the payload's `codes` codes are whole groups with one scale each
+std::string check_whole_groups(const at::Tensor& scales, int64_t codes, int64_t group_size)
+{
     SDP_REQUIRE(scales.numel() * group_size == codes, "scales has ", scales.numel(), " elements but the payload holds ",
                 codes, " codes = ", codes / group_size, " groups of ", group_size,
                 (codes % group_size ? " (not a whole number of groups)" : ""));
+    return {};
+}
+
+std::string dequant_add_(at::Tensor& replica, const at::Tensor& payload, const at::Tensor& scales, int64_t bits,
+                         int64_t group_size, int64_t diff)
+{
+    SDP_REQUIRE(replica.defined() && replica.is_cuda(), "replica must be a CUDA tensor");
+    const at::Device device = replica.device();
+    FloatKind kind;
+    SDP_TRY(check_update(replica, "replica", payload, scales, bits, group_size, diff, device, &kind));
+    const int64_t n = replica.numel();
+    const int64_t codes = payload.numel() * 8 / bits;
+    SDP_REQUIRE(codes >= n, "payload holds ", codes, " codes for a replica of ", n);
+    SDP_TRY(check_whole_groups(scales, codes, group_size));
     if (n == 0) return {};
 
     const c10::cuda::CUDAGuard guard(device);
@@ -362,6 +378,38 @@ std::string dequant_add_(at::Tensor& replica, const at::Tensor& payload, const a
                                                 static_cast<const uint8_t*>(payload.data_ptr()),
                                                 static_cast<const float*>(scales.data_ptr()), static_cast<int>(bits),
                                                 group_size, static_cast<int>(diff), current_stream(device)));
+}
+
+// op 6.  tiles: the plan's int64 [T, 3] table (segments.SegmentPlan.tiles) on dst's device; src_end / dst_end: the
+// plan's bounds (one past the largest source code read / destination element written), checked against the
+// tensors here.  The table's rows were validated when the plan was built (inside [0, src_end) x [0, dst_end),
+// no overlap in dst); reading them back here would cost a device-to-host copy per call.
+std::string dequant_add_segments_(at::Tensor& dst, const at::Tensor& payload, const at::Tensor& scales, int64_t bits,
+                                  int64_t group_size, int64_t diff, const at::Tensor& tiles, int64_t src_end,
+                                  int64_t dst_end)
+{
+    SDP_REQUIRE(dst.defined() && dst.is_cuda(), "dst must be a CUDA tensor");
+    const at::Device device = dst.device();
+    FloatKind kind;
+    SDP_TRY(check_update(dst, "dst", payload, scales, bits, group_size, diff, device, &kind));
+    SDP_REQUIRE(dst.dim() == 1, "dst must be 1-D, got ", dst.dim(), "-D");
+    SDP_TRY(check_cuda(tiles, "tiles", device));
+    SDP_TRY(check_dtype(tiles, "tiles", at::kLong));
+    SDP_REQUIRE(tiles.dim() == 2 && tiles.size(1) == 3, "tiles must be [T, 3] (src_start, dst_start, count), got ",
+                tiles.dim(), "-D with ", tiles.dim() == 2 ? tiles.size(1) : 0, " columns");
+    SDP_REQUIRE(tiles.size(0) <= INT32_MAX, "tiles has ", tiles.size(0), " rows, at most ", INT32_MAX, " supported");
+    const int64_t codes = payload.numel() * 8 / bits;
+    SDP_REQUIRE(src_end >= 0 && src_end <= codes, "payload holds ", codes, " codes, the segments read up to ", src_end);
+    SDP_REQUIRE(dst_end >= 0 && dst_end <= dst.numel(), "dst has ", dst.numel(), " elements, the segments write up to ",
+                dst_end);
+    SDP_TRY(check_whole_groups(scales, codes, group_size));
+    if (tiles.size(0) == 0) return {};
+
+    const c10::cuda::CUDAGuard guard(device);
+    return launched(sdp4bit::launch_dequant_add_segments(
+        dst.data_ptr(), kind, static_cast<const uint8_t*>(payload.data_ptr()),
+        static_cast<const float*>(scales.data_ptr()), static_cast<const int64_t*>(tiles.data_ptr()), tiles.size(0),
+        static_cast<int>(bits), group_size, static_cast<int>(diff), current_stream(device)));
 }
 
 }  // namespace
@@ -384,4 +432,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           "out, out_scales -> error message");
     m.def("dequant_add_", &dequant_add_,
           "op 5: replica (in place), payload, scales, bits, group_size, diff (1/0) -> error message");
+    m.def("dequant_add_segments_", &dequant_add_segments_,
+          "op 6: dst (in place), payload, scales, bits, group_size, diff (1/0), tiles int64 [T, 3], src_end, "
+          "dst_end -> error message");
 }

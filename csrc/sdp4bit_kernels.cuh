@@ -58,4 +58,11 @@ cudaError_t launch_dequant_add(void* replica, FloatKind replica_kind, int64_t n,
                                const float* scales, int bits, int64_t group_size, int diff,
                                cudaStream_t stream);
 
+// Op 6.  Op 5 through a tile table: tiles [num_tiles, 3] int64 rows (src_start, dst_start, count), for j < count
+// dst[dst_start + j] = cast(float(dst[dst_start + j]) + code[src_start + j] * scale[(src_start + j) / group_size])
+// (diff == 0: cast(code * scale)).  Rows must not overlap in dst; the binding checks the bounds the plan recorded.
+cudaError_t launch_dequant_add_segments(void* dst, FloatKind dst_kind, const uint8_t* payload, const float* scales,
+                                        const int64_t* tiles, int64_t num_tiles, int bits, int64_t group_size,
+                                        int diff, cudaStream_t stream);
+
 }  // namespace sdp4bit

@@ -1,4 +1,5 @@
-// Ops 4 and 5: the two halves of qWD (reference.weight_delta_quantize and reference.dequant_add_).
+// Ops 4, 5 and 6: the two halves of qWD (reference.weight_delta_quantize, reference.dequant_add_ and its segmented
+// form reference.dequant_add_segments_).
 #include "sdp4bit_device.cuh"
 
 namespace sdp4bit {
@@ -106,6 +107,83 @@ cudaError_t dequant_add(T* replica, int64_t n, const uint8_t* payload, const flo
     return cudaGetLastError();
 }
 
+// Op 6: op 5 through a tile table.  Block b handles row b of `tiles`, (src_start, dst_start, count): destination
+// elements [dst_start, dst_start + count) take source codes from src_start on.  A thread owns vectors of 8
+// destination elements on the 8-aligned grid of the buffer; a vector wholly inside the tile whose source index is
+// a multiple of 8 takes op 5's vector path (one scale: group_size is a multiple of 8), any other element the
+// scalar path with its own code and scale.  Same arithmetic everywhere: RN(code * scale), then RN(dst + that).
+template <int BITS>
+__device__ __forceinline__ float code_at(const uint8_t* __restrict__ payload, int64_t i)
+{
+    if constexpr (BITS == 8) {
+        return static_cast<float>(static_cast<int8_t>(payload[i]));
+    } else {
+        const int b = (payload[i >> 1] >> ((i & 1) * 4)) & 0xF;
+        return static_cast<float>(b >= 8 ? b - 16 : b);
+    }
+}
+
+template <typename T, int BITS>
+__global__ void __launch_bounds__(kThreads) dequant_add_segments_kernel(T* __restrict__ dst,
+                                                                       const uint8_t* __restrict__ payload,
+                                                                       const float* __restrict__ scales,
+                                                                       const int64_t* __restrict__ tiles,
+                                                                       FastDiv div_group, int diff, bool vec_dst,
+                                                                       bool vec_codes)
+{
+    const int64_t* row = tiles + 3 * static_cast<int64_t>(blockIdx.x);
+    const int64_t s0 = __ldg(row), d0 = __ldg(row + 1), cnt = __ldg(row + 2);
+    const int64_t d_end = d0 + cnt;
+    const int64_t shift = s0 - d0;
+    for (int64_t d = (d0 & ~static_cast<int64_t>(kVec - 1)) + static_cast<int64_t>(threadIdx.x) * kVec; d < d_end;
+         d += static_cast<int64_t>(kThreads) * kVec) {
+        const int64_t s = d + shift;
+        if (d >= d0 && d + kVec <= d_end && (s & (kVec - 1)) == 0) {
+            float c[8];
+            load_codes<BITS>(payload, s, vec_codes, c);
+            const float sc = __ldg(scales + div_group(s));
+            float r[8];
+            if (diff) load_vals<T>(dst, d, d_end, vec_dst, false, r);
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) {
+                const float v = __fmul_rn(c[t], sc);
+                r[t] = diff ? __fadd_rn(r[t], v) : v;
+            }
+            store_vals<T>(dst, d, d_end, vec_dst, r);
+        } else {
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) {
+                const int64_t e = d + t;
+                if (e < d0 || e >= d_end) continue;
+                const float v = __fmul_rn(code_at<BITS>(payload, e + shift), __ldg(scales + div_group(e + shift)));
+                dst[e] = from_f<T>(diff ? __fadd_rn(to_f(dst[e]), v) : v);
+            }
+        }
+    }
+}
+
+template <typename T>
+cudaError_t dequant_add_segments(T* dst, const uint8_t* payload, const float* scales, const int64_t* tiles,
+                                 int64_t num_tiles, int bits, int64_t group, int diff, cudaStream_t stream)
+{
+    if (num_tiles == 0) return cudaSuccess;
+    if (num_tiles > INT32_MAX) return cudaErrorInvalidValue;
+    // vector accesses need the buffers' base addresses aligned (element offsets are checked per vector)
+    const bool vec_dst = aligned(dst, 16);
+    const bool vec_codes = aligned(payload, bits == 8 ? 8 : 4);
+    FastDiv dg;
+    dg.init(group);
+    const unsigned int grid = static_cast<unsigned int>(num_tiles);
+    if (bits == 8) {
+        dequant_add_segments_kernel<T, 8><<<grid, kThreads, 0, stream>>>(dst, payload, scales, tiles, dg, diff,
+                                                                          vec_dst, vec_codes);
+    } else {
+        dequant_add_segments_kernel<T, 4><<<grid, kThreads, 0, stream>>>(dst, payload, scales, tiles, dg, diff,
+                                                                          vec_dst, vec_codes);
+    }
+    return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t launch_weight_delta_quantize(const float* master, void* replica, FloatKind replica_kind, int64_t n,
@@ -134,6 +212,24 @@ cudaError_t launch_dequant_add(void* replica, FloatKind replica_kind, int64_t n,
         case FloatKind::kBF16:
             return dequant_add(static_cast<__nv_bfloat16*>(replica), n, payload, scales, bits, group_size, diff,
                                stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_dequant_add_segments(void* dst, FloatKind dst_kind, const uint8_t* payload, const float* scales,
+                                        const int64_t* tiles, int64_t num_tiles, int bits, int64_t group_size,
+                                        int diff, cudaStream_t stream)
+{
+    switch (dst_kind) {
+        case FloatKind::kF32:
+            return dequant_add_segments(static_cast<float*>(dst), payload, scales, tiles, num_tiles, bits, group_size,
+                                        diff, stream);
+        case FloatKind::kF16:
+            return dequant_add_segments(static_cast<__half*>(dst), payload, scales, tiles, num_tiles, bits, group_size,
+                                        diff, stream);
+        case FloatKind::kBF16:
+            return dequant_add_segments(static_cast<__nv_bfloat16*>(dst), payload, scales, tiles, num_tiles, bits,
+                                        group_size, diff, stream);
     }
     return cudaErrorInvalidValue;
 }

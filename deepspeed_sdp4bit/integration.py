@@ -483,19 +483,26 @@ class _Replica:
     """The persistent bf16 replica of one engine: its layout, buffers, refresh, resync and ``p.data``.
 
     Built once when SDP4Bit is attached; a step then runs one :meth:`WeightDeltaAllGather.refresh` per
-    optimizer sub-group with destination maps prepared here, and nothing per parameter in Python.
+    optimizer sub-group with segment plans prepared here (one fused op-6 launch per source, nothing per
+    parameter in Python).
 
     * ``layout[k]``: sub-group ``k``'s parameters as ``(param, offset in the flat partition, partition numel
       P)``, DeepSpeed's flat partition order (the same on every rank).
-    * ``full``: ``flat[k]`` is ONE bf16 buffer per sub-group holding every parameter's full data back to back;
-      ``param.data`` is a view of it (:meth:`point_params`).  Source ``s``'s piece of parameter ``p`` is
-      elements ``[s*P, min((s+1)*P, numel))`` of ``p``'s view.
-    * ``node``: DeepSpeed's hpZ secondary tensors, created up front and kept (never invalidated): local rank
-      ``l`` keeps primary partitions ``l*N .. l*N+N-1`` of every parameter.
+    * ``flat[k]``: ONE buffer per sub-group.  ``full``: every parameter's full data back to back (each start
+      rounded up to ``ALIGN`` elements, the kernels' vector width), ``param.data`` a view of it
+      (:meth:`point_params`); source ``s``'s piece of ``p`` is elements ``[s*P, min((s+1)*P, numel))`` of it.
+      ``node``: the parameters' hpZ secondary tensors (DeepSpeed's node replica), views of the buffer kept for
+      good (never invalidated): local rank ``l`` keeps primary partitions ``l*N .. l*N+N-1`` of each parameter.
+    * ``plans[k]``: {source rank: :class:`~deepspeed_sdp4bit.segments.SegmentPlan` of its pieces in
+      ``flat[k]``}, checked once.
     Invariant: every copy of a partition is bit-identical to its owner's bf16 partition.
     """
 
+    ALIGN = 16
+
     def __init__(self, opt, state: "SDP4BitState"):
+        from .segments import make_segment_plan
+
         self.topology = state.topology
         self.weights = state.weights
         self.level = state.level
@@ -509,77 +516,77 @@ class _Replica:
             self.layout.append(items)
         self.params: List[torch.nn.Parameter] = [p for items in self.layout for p, _, _ in items]
         self.flat: List[Optional[torch.Tensor]] = []
+        self.plans: List[Dict[int, Any]] = []
         self._views: Dict[int, torch.Tensor] = {}
-        if self.level == "full":
-            for items in self.layout:
-                if not items:
-                    self.flat.append(None)
-                    continue
-                p0 = items[0][0]
-                buf = torch.empty(sum(p.ds_numel for p, _, _ in items), dtype=p0.ds_tensor.dtype,
-                                  device=p0.ds_tensor.device)
-                self.flat.append(buf)
-                for p, view in zip((p for p, _, _ in items), buf.split([p.ds_numel for p, _, _ in items])):
+        W, N = self.topology.world_size, self.topology.num_nodes
+        for k, items in enumerate(self.layout):
+            M = opt.fp16_partitioned_groups_flat[k].numel()
+            # (source, offset in its flat partition, offset in flat[k], length) of every piece kept here
+            pieces: List[Tuple[int, int, int, int]] = []
+            sizes: List[int] = []
+            start = 0
+            for p, off, P in items:
+                size = p.ds_numel if self.level == "full" else N * P
+                sizes.append(size)
+                if self.level == "full":
+                    for s in range(W):
+                        if s * P < size:
+                            pieces.append((s, off, start + s * P, min(P, size - s * P)))
+                else:
+                    l = self.topology.local
+                    for j in range(N):
+                        pieces.append((l * N + j, off, start + j * P, P))
+                start += -(-size // self.ALIGN) * self.ALIGN
+            if not items:
+                self.flat.append(None)
+                self.plans.append({})
+                continue
+            ref = items[0][0].ds_tensor
+            # node: zeros, like DeepSpeed's own secondary padding; full: every element is written by resync
+            buf = (torch.zeros if self.level == "node" else torch.empty)(start, dtype=ref.dtype, device=ref.device)
+            self.flat.append(buf)
+            pos = 0
+            for (p, _, _), size in zip(items, sizes):
+                view = buf[pos:pos + size]
+                if self.level == "full":
                     self._views[id(p)] = view
-        # Destination maps of every sub-group, checked once (their views live as long as the buffers).
-        self._dst = [self.weights.prepare_dst(self._dst_map(k), opt.fp16_partitioned_groups_flat[k])
-                     for k in range(len(self.layout))]
+                else:
+                    self._set_secondary(p, view)
+                pos += -(-size // self.ALIGN) * self.ALIGN
+            by_src: Dict[int, List[Tuple[int, int, int]]] = {}
+            for src, so, do, n in pieces:
+                by_src.setdefault(src, []).append((so, do, n))
+            needed = set(self.weights.sources_needed())
+            self.plans.append({src: make_segment_plan([x[0] for x in segs], [x[1] for x in segs],
+                                                      [x[2] for x in segs], buf, src_numel=M)
+                               for src, segs in by_src.items() if src in needed})
         self._opt = weakref.ref(opt)
         if self.level == "full":
             _FULL_REPLICAS.add(self)
 
     def __getitem__(self, param_id: int) -> torch.Tensor:
-        """Full level: the replica buffer (bf16 [ds_numel]) of the parameter with this ``id``."""
+        """Full level: the replica view (bf16 [ds_numel]) of the parameter with this ``id``."""
         return self._views[param_id]
 
     def __contains__(self, param_id: int) -> bool:
         return param_id in self._views
 
-    def _ensure_secondary(self, p) -> torch.Tensor:
-        """The hpZ secondary tensor of ``p`` (created here if DeepSpeed has not made it yet).
-
-        DeepSpeed creates it lazily when a gathered parameter is released (``_partition_param_sec``) and
-        drops it after every step; we create it up front (zero padding, like DeepSpeed) so the replica exists
-        from the first forward on.
-        """
+    @staticmethod
+    def _set_secondary(p, view: torch.Tensor) -> None:
+        """Make ``view`` the hpZ secondary tensor of ``p`` (DeepSpeed would create one lazily at the first
+        release of the gathered parameter and drop it after every step; ours lives for good)."""
         from deepspeed.runtime.zero.partition_parameters import PartitionedParamStatus
 
-        S = p.partition_numel() * self.topology.num_nodes
-        sec = p.ds_secondary_tensor
-        if sec is None or sec.numel() != S or sec.dtype != p.ds_tensor.dtype:
-            sec = torch.zeros(S, dtype=p.ds_tensor.dtype, device=p.ds_tensor.device)
-            sec.requires_grad = False
-            sec.ds_numel = S
-            sec.status = PartitionedParamStatus.AVAILABLE
-            sec.final_location = None
-            p.ds_secondary_tensor = sec
-        return sec
-
-    def _dst_map(self, k: int) -> Dict[int, list]:
-        """{source rank: [(view, offset in the source's flat partition)]} of sub-group ``k``."""
-        me = self.topology.rank
-        dst: Dict[int, list] = {s: [] for s in self.weights.sources_needed() if s != me}
-        if self.level == "full":
-            for p, off, P in self.layout[k]:
-                buf, n = self._views[id(p)], p.ds_numel
-                for s in range(self.topology.world_size):
-                    lo = s * P
-                    if lo >= n:
-                        break
-                    dst.setdefault(s, []).append((buf[lo:min(lo + P, n)], off))
-        else:
-            # DeepSpeed's secondary partition of local rank l covers primary partitions l*N .. l*N+N-1.
-            N, l = self.topology.num_nodes, self.topology.local
-            for p, off, P in self.layout[k]:
-                sec = self._ensure_secondary(p)
-                for j in range(N):
-                    dst.setdefault(l * N + j, []).append((sec[j * P:(j + 1) * P], off))
-        return dst
+        view.requires_grad = False
+        view.ds_numel = view.numel()
+        view.status = PartitionedParamStatus.AVAILABLE
+        view.final_location = None
+        p.ds_secondary_tensor = view
 
     def refresh(self, opt, k: int, step: int) -> None:
         own = opt.fp16_partitioned_groups_flat[k]
         if own.numel():
-            self.weights.refresh(opt.fp32_partitioned_groups_flat[k], own, self._dst[k], step=step, bucket_id=k)
+            self.weights.refresh(opt.fp32_partitioned_groups_flat[k], own, self.plans[k], step=step, bucket_id=k)
 
     def zero_padding(self, opt) -> None:
         """Zero the alignment padding of the flat partitions (DeepSpeed leaves it uninitialized).
@@ -599,7 +606,7 @@ class _Replica:
         """Exact re-synchronisation of every copy from the owners' bf16 partitions (collective)."""
         opt._partition_all_parameters()
         for k in range(len(self.layout)):
-            self.weights.full_sync(opt.fp16_partitioned_groups_flat[k], self._dst[k], bucket_id=k)
+            self.weights.full_sync(opt.fp16_partitioned_groups_flat[k], self.plans[k], bucket_id=k)
         self.point_params()
 
     def after_gathered(self, modified: bool) -> None:

@@ -1,6 +1,6 @@
 """Op dispatch (bitsandbytes style): a torch backend that runs everywhere, CUDA and Triton override it.
 
-The collectives call ``get_backend(config.kernel_backend, device)`` once and then the five ops through the
+The collectives call ``get_backend(config.kernel_backend, device)`` once and then the six ops through the
 returned :class:`Backend`; they never import a kernel module directly, so kernels plug in without touching
 the collectives.  Every backend implements the signatures of the reference ops in ``reference.py`` plus
 optional ``out``/``out_scales`` buffers, so a caller can reuse its buffers across steps.
@@ -27,12 +27,13 @@ OP_NAMES = (
     "dequant_sum_inverse_hadamard",  # op 3
     "weight_delta_quantize",         # op 4
     "dequant_add_",                  # op 5
+    "dequant_add_segments_",         # op 6
 )
 BACKEND_NAMES = ("auto", "cuda", "triton", "torch")
 
 
 class Backend:
-    """A named set of the five ops and a probe saying whether it can run on a device."""
+    """A named set of the ops (``OP_NAMES``) and a probe saying whether it can run on a device."""
 
     def __init__(self, name: str, ops: Dict[str, Callable], probe: Callable[[torch.device], Tuple[bool, str]]):
         missing = [n for n in OP_NAMES if n not in ops]
@@ -111,6 +112,11 @@ def _t_dequant_add_(replica, payload, scales, bits, group_size, mode="diff"):
     return R.dequant_add_(replica, payload, scales, bits, group_size, mode)
 
 
+def _t_dequant_add_segments_(dst, payload, scales, bits, group_size, mode, segments):
+    _checks().dequant_add_segments_plan(dst, payload, scales, bits, group_size, mode, segments)
+    return R.dequant_add_segments_(dst, payload, scales, bits, group_size, mode, segments)
+
+
 TORCH_BACKEND = Backend(
     "torch",
     {
@@ -119,6 +125,7 @@ TORCH_BACKEND = Backend(
         "dequant_sum_inverse_hadamard": _t_dequant_sum_inverse_hadamard,
         "weight_delta_quantize": _t_weight_delta_quantize,
         "dequant_add_": _t_dequant_add_,
+        "dequant_add_segments_": _t_dequant_add_segments_,
     },
     probe=lambda device: (True, "pure torch, runs on any device"),
 )
@@ -165,6 +172,9 @@ AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
     "dequant_sum_inverse_hadamard": ("triton", "cuda", "torch"),
     "weight_delta_quantize": ("cuda", "triton", "torch"),
     "dequant_add_": ("cuda", "triton", "torch"),
+    # op 6 follows op 5 (the same per-element work through a tile table); not measured yet: run
+    # ``benchmarks/bench_kernels.py --segments`` on a GPU and reorder if Triton wins.
+    "dequant_add_segments_": ("cuda", "triton", "torch"),
 }
 # Ops whose order changes with the chunk count k (payloads.shape[0]): above max_k chunks, the second order.
 # Measured at k = 12, 16 and 32 (benchmarks/results/fma_sum/chunk_counts_more.txt, 512 then 64 MiB): Triton's

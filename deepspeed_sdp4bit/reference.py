@@ -486,6 +486,37 @@ def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Ten
     return replica
 
 
+def dequant_add_segments_(dst: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                          group_size: int, mode: str, segments) -> torch.Tensor:
+    """Op 6: op 5 through a segment list, in place: one source's payload applied to many pieces of one buffer.
+
+    Args:
+        dst: 1-D contiguous bf16/fp16/fp32 [n] (e.g. one flat replica buffer holding many parameters).
+        payload: uint8, the codes of one source's flat partition (packed as in the module docstring: 4-bit
+            element ``2i`` in the low nibble of byte ``i``); scales: fp32 [G], one per ``group_size`` codes.
+        segments: a :class:`~deepspeed_sdp4bit.segments.SegmentPlan` (``segments.make_segment_plan``): segment
+            ``(s0, d0, L)`` does, for ``j`` in ``[0, L)``, with ``c = code[s0 + j]`` and ``s = scales[(s0 + j) //
+            group_size]``:
+              ``diff``:   ``dst[d0 + j] = cast(float(dst[d0 + j]) + RN(float(c) * s))``
+              ``direct``: ``dst[d0 + j] = cast(RN(float(c) * s))``
+            i.e. exactly :func:`dequant_add_` element by element (one rounded fp32 multiply, then one rounded
+            fp32 add, never a fused multiply-add), so every receiver gets the owner's bits (op 4) whatever the
+            segment's offsets.  Segments do not overlap in ``dst`` (the plan checks it).
+    Returns: ``dst``.
+    """
+    codes = unpack_codes(payload, bits)
+    if codes.numel() < segments.src_end:
+        raise ValueError(f"payload holds {codes.numel()} codes, the segments read up to {segments.src_end}")
+    add = mode == "diff"
+    sc = scales.reshape(-1).float()
+    for s0, d0, L in segments.segments():
+        src = torch.arange(s0, s0 + L, dtype=torch.int64, device=codes.device)
+        deq = codes[s0: s0 + L].float() * sc[src // group_size].to(codes.device)
+        piece = dst[d0: d0 + L]
+        piece.copy_((piece.float() + deq.to(piece.device) if add else deq.to(piece.device)).to(dst.dtype))
+    return dst
+
+
 def wire_bits_per_value(bits: int, group_size: int) -> float:
     """Bits on the wire per value for a quantized level: ``bits + 32 / group_size`` (fp32 scales)."""
     return bits + 32.0 / group_size

@@ -15,6 +15,7 @@ import torch
 
 from deepspeed_sdp4bit import ops
 from deepspeed_sdp4bit import reference as R
+from deepspeed_sdp4bit.segments import GPU_TILE, make_segment_plan
 
 pytestmark = [
     pytest.mark.gpu,
@@ -347,11 +348,66 @@ def test_dequant_add_misaligned_and_arbitrary_bytes(cb):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# op 6
+# ----------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("group", [64, 2048])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("mode", ["diff", "direct"])
+def test_dequant_add_segments_matches_reference(cb, group, bits, mode):
+    """Layouts of test_segments.segment_layout (odd offsets, one-element pieces, a long piece over several tiles
+    on the vector path), every dtype, buffers aligned or not: the reference's bits, gaps untouched."""
+    from test_segments import segment_layout
+    M = 3 * GPU_TILE + 2 * group + 5
+    ng = (M + group - 1) // group
+    g = _gen(group + bits)
+    payload = torch.randint(0, 256, (ng * group * bits // 8,), generator=g, dtype=torch.uint8)
+    scales = torch.rand(ng, generator=g) * 0.1
+    scales[1], scales[-1] = float("inf"), float("nan")
+    so, do, ln, n = segment_layout(M, group, 2 * group, 3 * GPU_TILE + 100, seed=bits)
+    for rdt in DTYPES:
+        base = torch.randn(n, generator=g).to(rdt)
+        want = R.dequant_add_segments_(base.clone(), payload, scales, bits, group, mode,
+                                       make_segment_plan(so, do, ln, base))
+        for mis_dst, mis_pay in ((0, 0), (1, 0), (0, 1)):
+            buf = torch.empty(n + mis_dst, dtype=rdt, device="cuda")
+            dst = buf[mis_dst:]
+            dst.copy_(base.cuda())
+            pbuf = torch.empty(payload.numel() + mis_pay, dtype=torch.uint8, device="cuda")
+            pbuf[mis_pay:] = payload.cuda()
+            plan = make_segment_plan(so, do, ln, dst)
+            res = cb.dequant_add_segments_(dst, pbuf[mis_pay:], scales.cuda(), bits, group, mode, plan)
+            assert res is dst
+            assert_same(dst, want, f"segments {rdt}/g{group}/b{bits}/{mode}/mis{mis_dst}{mis_pay}")
+
+
+def test_dequant_add_segments_owner_equals_receiver(cb):
+    group, bits = 2048, 4
+    M = 5 * group + 77
+    g = _gen(9)
+    master = torch.randn(M, generator=g) * 0.05
+    replica = (master + torch.randn(M, generator=g) * 1e-3).bfloat16().cuda()
+    before = replica.clone()
+    p, s = cb.weight_delta_quantize(master.cuda(), replica, bits, group)
+    # pieces at odd source and destination offsets, reversed in the buffer
+    cuts = [0, 1, 777, group, group + 4093, 4 * group, M]
+    pieces = [(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])][::-1]
+    dst = torch.zeros(M + 50, dtype=torch.bfloat16, device="cuda")
+    so, do, ln, pos = [], [], [], 3
+    for a, L in pieces:
+        so.append(a), do.append(pos), ln.append(L)
+        dst[pos: pos + L] = before[a: a + L]
+        pos += L + 5
+    cb.dequant_add_segments_(dst, p, s, bits, group, "diff", make_segment_plan(so, do, ln, dst))
+    for a, d, L in zip(so, do, ln):
+        assert_same(dst[d: d + L], replica[a: a + L], f"piece {a}+{L} at {d}")
+
+
+# ----------------------------------------------------------------------------------------------------------
 # plumbing: streams, no allocation with out buffers, no host synchronization, dispatch
 # ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["cuda", "triton"])
 def test_side_stream_no_sync_no_alloc(cb, name):
-    """All five ops of both compiled backends with ``out`` buffers, on a side stream: results right, no host
+    """All six ops of both compiled backends with ``out`` buffers, on a side stream: results right, no host
     synchronization (sync debug mode "error" raises on one), no device memory allocated."""
     if name == "triton":
         b = ops.get_backend("triton", "cuda")
@@ -373,6 +429,13 @@ def test_side_stream_no_sync_no_alloc(cb, name):
     rep4 = replica.clone()
     R.weight_delta_quantize(master, rep4, 4, 2048, "nearest", None, 0)
     rep5 = R.dequant_add_(replica.clone(), p4, s4, 4, 2048)
+    # op 6: the replica's pieces reversed in a flat buffer, the plan built beforehand (as at attach time)
+    seg = [(0, 1, 1000), (1000, 3000, n - 1000 - 5), (n - 5, 1003, 5)]
+    so6, do6, ln6 = (list(v) for v in zip(*seg))
+    buf6 = torch.zeros(n + 3000, dtype=torch.bfloat16)
+    for a, d, L in seg:
+        buf6[d: d + L] = replica[a: a + L]
+    rep6 = R.dequant_add_segments_(buf6.clone(), p4, s4, 4, 2048, "diff", make_segment_plan(so6, do6, ln6, buf6))
 
     dev = {"x": x.cuda(), "pay": pay.cuda(), "sc": sc.cuda(), "master": master.cuda(), "p4": p4.cuda(),
            "s4": s4.cuda()}
@@ -381,7 +444,7 @@ def test_side_stream_no_sync_no_alloc(cb, name):
             "y3": torch.empty(n, dtype=torch.bfloat16, device="cuda"),
             "p4": torch.empty(n // 2, dtype=torch.uint8, device="cuda"), "s4": torch.empty(n // 2048, device="cuda")}
 
-    def run_all(rep4_buf, rep5_buf):
+    def run_all(rep4_buf, rep5_buf, rep6_buf, plan6):
         b.hadamard_quantize(dev["x"], 8, group, 32, "stochastic", key, 0, out=outs["p1"], out_scales=outs["s1"])
         b.dequant_sum_requant(dev["pay"], dev["sc"], 8, 4, group, "stochastic", key, 0, out=outs["p2"],
                               out_scales=outs["s2"])
@@ -389,10 +452,13 @@ def test_side_stream_no_sync_no_alloc(cb, name):
         b.weight_delta_quantize(dev["master"], rep4_buf, 4, 2048, "nearest", None, 0, out=outs["p4"],
                                 out_scales=outs["s4"])
         b.dequant_add_(rep5_buf, dev["p4"], dev["s4"], 4, 2048)
+        b.dequant_add_segments_(rep6_buf, dev["p4"], dev["s4"], 4, 2048, "diff", plan6)
 
-    run_all(replica.cuda(), replica.cuda())  # build / compile / warm up
+    warm6 = buf6.cuda()
+    run_all(replica.cuda(), replica.cuda(), warm6, make_segment_plan(so6, do6, ln6, warm6))  # build / warm up
     torch.cuda.synchronize()
-    rep4_buf, rep5_buf = replica.cuda(), replica.cuda()
+    rep4_buf, rep5_buf, rep6_buf = replica.cuda(), replica.cuda(), buf6.cuda()
+    plan6 = make_segment_plan(so6, do6, ln6, rep6_buf)
     for t in outs.values():
         t.fill_(POISON if t.dtype == torch.uint8 else FPOISON)
     side = torch.cuda.Stream()
@@ -403,7 +469,7 @@ def test_side_stream_no_sync_no_alloc(cb, name):
     torch.cuda.set_sync_debug_mode("error")  # any host synchronization inside the ops raises
     try:
         with torch.cuda.stream(side):
-            run_all(rep4_buf, rep5_buf)
+            run_all(rep4_buf, rep5_buf, rep6_buf, plan6)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.cuda.max_memory_allocated() == before, f"{name}: the ops allocated device memory despite out buffers"
@@ -412,7 +478,7 @@ def test_side_stream_no_sync_no_alloc(cb, name):
                             (outs["p2"], p2, "op2 payload"), (outs["s2"], s2, "op2 scales"),
                             (outs["y3"], y3, "op3 output"), (outs["p4"], p4, "op4 payload"),
                             (outs["s4"], s4, "op4 scales"), (rep4_buf, rep4, "op4 replica"),
-                            (rep5_buf, rep5, "op5 replica")):
+                            (rep5_buf, rep5, "op5 replica"), (rep6_buf, rep6, "op6 buffer")):
         assert_same(got, want, f"{name} {what} on a side stream")
 
 
@@ -452,6 +518,11 @@ def test_empty_inputs(cb):
     rep = torch.empty(0, device="cuda")
     p, s = cb.weight_delta_quantize(rep.clone(), rep, 4, 2048)
     assert p.numel() == 0 and s.numel() == 0
+    dst = torch.ones(10, device="cuda")
+    plan = make_segment_plan([0], [3], [0], dst)
+    assert cb.dequant_add_segments_(dst, torch.zeros(8, dtype=torch.uint8, device="cuda"), torch.ones(1, device="cuda"),
+                                    8, 8, "diff", plan) is dst
+    assert torch.equal(dst, torch.ones(10, device="cuda"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -531,7 +602,24 @@ def test_binding_rejects_bad_inputs(cb):
     _rejects(da(torch.randn(2000, device="cuda"), wout, wsc, 4, 1024, 1), "payload holds")
     _rejects(da(rep, wout, torch.empty(2, device="cuda"), 4, 1024, 1), "scales has")
     _rejects(da(rep.double(), wout, wsc, 4, 1024, 1), "replica must be")
+    das = ext.dequant_add_segments_
+    tiles = torch.tensor([[0, 0, 1000]], dtype=torch.int64, device="cuda")
+    assert das(rep, wout, wsc, 4, 1024, 1, tiles, 1000, 1000) == ""
+    _rejects(das(rep.cpu(), wout, wsc, 4, 1024, 1, tiles, 1000, 1000), "CUDA tensor")
+    _rejects(das(rep.double(), wout, wsc, 4, 1024, 1, tiles, 1000, 1000), "dst must be float32")
+    _rejects(das(rep.view(10, 100), wout, wsc, 4, 1024, 1, tiles, 1000, 1000), "dst must be 1-D")
+    _rejects(das(rep, wout, wsc, 4, 1024, 1, tiles.int(), 1000, 1000), "tiles must be int64")
+    _rejects(das(rep, wout, wsc, 4, 1024, 1, tiles.view(-1), 1000, 1000), "tiles must be [T, 3]")
+    _rejects(das(rep, wout, wsc, 4, 1024, 1, tiles.cpu(), 1000, 1000), "tiles must be a CUDA tensor")
+    _rejects(das(rep, wout, wsc, 4, 1024, 1, tiles, 1025, 1000), "the segments read up to 1025")
+    _rejects(das(rep, wout, wsc, 4, 1024, 1, tiles, 1000, 1001), "the segments write up to 1001")
+    _rejects(das(rep, wout, torch.empty(2, device="cuda"), 4, 1024, 1, tiles, 1000, 1000), "scales has")
+    _rejects(das(rep, wout, wsc, 4, 1020, 1, tiles, 1000, 1000), "multiple of 8")
+    _rejects(das(rep, wout, wsc, 4, 1024, 2, tiles, 1000, 1000), "mode")
+    _rejects(das(rep, wout.char(), wsc, 4, 1024, 1, tiles, 1000, 1000), "payload must be")
     torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="plan was built for cpu"):
+        cb.dequant_add_segments_(rep, wout, wsc, 4, 1024, "diff", make_segment_plan([0], [0], [10], rep.cpu()))
 
     # the Python wrappers raise what the binding returns, and what the reference rejects, with its wording
     with pytest.raises(ValueError, match="hadamard_size"):

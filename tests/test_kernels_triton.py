@@ -18,6 +18,7 @@ import torch
 from deepspeed_sdp4bit import ops
 from deepspeed_sdp4bit import reference as R
 from deepspeed_sdp4bit.kernels import triton_backend as T
+from deepspeed_sdp4bit.segments import make_segment_plan
 
 pytestmark = pytest.mark.filterwarnings(
     # the interpreter computes with numpy, which warns on inf - inf and overflow that the tests feed it
@@ -419,6 +420,46 @@ def test_dequant_add_matches_reference(backend, device, dtype, bits):
             assert_same_floats(got, want, f"gs={gs} n={n} mode={mode} tile={tile}")
 
 
+# op 6: dequant_add_segments_ (layouts from test_segments.segment_layout: odd starts, length-1 pieces, pieces across
+# group boundaries, an empty segment, and a long piece whose tiles take the kernel's whole-tile path)
+@pytest.mark.parametrize("bits", (4, 8))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dequant_add_segments_matches_reference(backend, device, dtype, bits, monkeypatch):
+    from test_segments import segment_layout
+    monkeypatch.setattr(T, "_SEG_INTERP_TILE", 32)  # several tiles per piece under the interpreter too
+    gs = 32
+    M = gs * 9 + 5
+    ng = R.num_groups(M, gs)
+    payloads, scales = random_chunks(1, ng * gs, bits, gs, seed=40 + bits)
+    so, do, ln, n = segment_layout(M, gs, 64, 160, seed=bits)
+    gen = torch.Generator().manual_seed(bits)
+    base = (torch.randn(n, generator=gen) * 3).to(dtype)
+    base[::7] = float("nan")  # stray writes into the gaps would show
+    plan_ref = make_segment_plan(so, do, ln, base)
+    for tile in (None, SMALL_TILE):
+        for mode in ("diff", "direct"):
+            want = R.dequant_add_segments_(base.clone(), payloads[0], scales[0], bits, gs, mode, plan_ref)
+            got = base.to(device)
+            with tiles(tile):
+                plan = make_segment_plan(so, do, ln, got)
+                ret = backend.dequant_add_segments_(got, payloads[0].to(device), scales[0].to(device), bits, gs,
+                                                    mode, plan)
+            assert ret is got, "dequant_add_segments_ must return the dst it updated"
+            assert_same_floats(got, want, f"segments gs={gs} mode={mode} tile={tile}")
+    # the owner's op 4 and a receiver's op 6 on pieces of the shard placed anywhere: the same bits
+    master, replica = _master_and_replica("heavy", M, gs, R.qmax_for_bits(bits), dtype, seed=bits)
+    owner = replica.clone()
+    p, s = R.weight_delta_quantize(master, owner, bits, gs)
+    recv = torch.zeros(n, dtype=dtype)
+    for s0, d0, L in zip(so, do, ln):
+        recv[d0: d0 + L] = replica[s0: s0 + L]
+    recv = recv.to(device)
+    plan = make_segment_plan(so, do, ln, recv)
+    backend.dequant_add_segments_(recv, p.to(device), s.to(device), bits, gs, "diff", plan)
+    for s0, d0, L in zip(so, do, ln):
+        assert_same_floats(recv[d0: d0 + L], owner[s0: s0 + L], f"receiver piece {s0}+{L} at {d0}")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # out buffers, dispatch, errors
 # ----------------------------------------------------------------------------------------------------------
@@ -478,6 +519,7 @@ def test_bad_inputs_raise(backend, device):
     payloads, scales = quantized_chunks(2, 128, 8, 64, seed=3)
     payloads, scales = payloads.to(device), scales.to(device)
     rep = torch.zeros(128, device=device)
+    seg_plan = make_segment_plan([0, 64], [64, 0], [64, 64], rep)
     cases = [
         (lambda: backend.hadamard_quantize(x.double(), 8, 64, 32), "x must be float32"),
         (lambda: backend.hadamard_quantize(x.to(torch.int32), 8, 64, 32), "x must be float32"),
@@ -514,6 +556,14 @@ def test_bad_inputs_raise(backend, device):
         (lambda: backend.dequant_add_(rep, payloads[0].to(torch.int8), scales[0], 8, 64),
          "payload must be torch.uint8"),
         (lambda: backend.dequant_add_(rep, payloads[0], scales[0], 8, 64, mode="x"), "mode must be"),
+        (lambda: backend.dequant_add_segments_(rep, payloads[0], scales[0], 8, 64, "diff", [(0, 0, 4)]),
+         "SegmentPlan"),
+        (lambda: backend.dequant_add_segments_(rep[:100], payloads[0], scales[0], 8, 64, "diff", seg_plan),
+         "write up to 128"),
+        (lambda: backend.dequant_add_segments_(rep, payloads[0, :32], scales[0, :1], 8, 64, "diff", seg_plan),
+         "read up to 128"),
+        (lambda: backend.dequant_add_segments_(rep, payloads[0], scales[0, :1], 8, 64, "diff", seg_plan), "scales"),
+        (lambda: backend.dequant_add_segments_(rep, payloads[0], scales[0], 8, 64, "x", seg_plan), "mode must be"),
     ]
     for fn, match in cases:
         with pytest.raises((ValueError, TypeError), match=match):

@@ -60,6 +60,10 @@ def _inputs(op, k=2):
     if op == "weight_delta_quantize":
         return (x, x.bfloat16(), 4, 128)
     p, s = ops.TORCH_BACKEND.hadamard_quantize(x, 4, 128, None)
+    if op == "dequant_add_segments_":
+        from deepspeed_sdp4bit.segments import make_segment_plan
+        dst = x.bfloat16()
+        return (dst, p, s, 4, 128, "diff", make_segment_plan([0, 101], [155, 0], [101, 155], dst))
     return (x.bfloat16(), p, s, 4, 128)
 
 

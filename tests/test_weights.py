@@ -16,6 +16,7 @@ from deepspeed_sdp4bit import reference as R
 from deepspeed_sdp4bit.collectives.weights import WeightDeltaAllGather
 from deepspeed_sdp4bit.config import WeightsConfig
 from deepspeed_sdp4bit.ops import get_backend
+from deepspeed_sdp4bit.segments import make_segment_plan
 from deepspeed_sdp4bit.topology import Topology, TopologyShape
 
 from dist_utils import run_distributed
@@ -37,7 +38,11 @@ INSTANCES = {
     "direct": ("full", "direct", 4, "nearest", 64, 2, SHORT),
     "node8s": ("node", "diff", 8, "stochastic", 32, 3, SHORT),
     "node4g2048": ("node", "diff", 4, "nearest", 2048, 4, SHORT),
+    "fullplan": ("full", "diff", 4, "nearest", 64, 5, SHORT),
 }
+# Instances whose replica is ONE flat buffer of all parameters, handed to refresh as prebuilt segment plans
+# (one per source, the own one included), as integration's replica object does; the others pass views.
+PLAN_INSTANCES = {"fullplan"}
 # The cheap long run: node level (its all-to-all path is the intricate one; full level runs 200 steps above).
 LONG_INSTANCES = {
     "node4": ("node", "diff", 4, "nearest", 32, 1, None),
@@ -76,17 +81,24 @@ def _bits(t):
 class _Holder:
     """One instance plus the replica storage it writes into, laid out as DeepSpeed would."""
 
-    def __init__(self, topo, params, spec, world, M, P, offs):
+    def __init__(self, topo, params, spec, world, M, P, offs, plans=False):
         level, mode, bits, rounding, gs, bucket, _ = spec
         cfg = WeightsConfig(mode=mode, bits=bits, rounding=rounding, group_size=gs, replica=level)
-        # Node-level instances use a scratch of two groups, so unaligned views are applied window by window.
-        scratch = 2 * gs if level == "node" else 1 << 22
-        self.ag = WeightDeltaAllGather(topo, cfg, SEED, backend="torch", level=level, scratch_elements=scratch)
+        self.ag = WeightDeltaAllGather(topo, cfg, SEED, backend="torch", level=level)
         self.spec, self.bucket, self.gs, self.bits = spec, bucket, gs, bits
         self.own = torch.full((M,), float("nan"), dtype=torch.bfloat16)
         self.dst = {}
         N = topo.num_nodes
-        if level == "full":
+        if level == "full" and plans:
+            # one flat buffer, params at odd starts; per source a plan of its valid pieces, built once here
+            starts = [sum(params[:i]) + 3 * i + 1 for i in range(len(params))]
+            flat = torch.full((starts[-1] + params[-1] + 2,), float("nan"), dtype=torch.bfloat16)
+            self.store = [flat[a: a + n] for a, n in zip(starts, params)]
+            for s in range(world):
+                segs = [(offs[i], starts[i] + s * P[i], _valid_len(n, P[i], s)) for i, n in enumerate(params)]
+                self.dst[s] = make_segment_plan(*zip(*segs), flat, src_numel=M)
+            self.mirror = {}
+        elif level == "full":
             # param.data of every param, trimmed to its true size; every source writes its valid piece.
             self.store = [torch.full((n,), float("nan"), dtype=torch.bfloat16) for n in params]
             for s in range(world):
@@ -159,7 +171,8 @@ def _run_instances(rank, world, topo, params, specs, steps, snap_steps, counter,
         w[:n] = 0.02 * torch.randn(n, generator=full_gen)
         master[offs[i]: offs[i] + P[i]] = w[rank * P[i]: (rank + 1) * P[i]]
 
-    holders = {name: _Holder(topo, params, spec, world, M, P, offs) for name, spec in specs.items()}
+    holders = {name: _Holder(topo, params, spec, world, M, P, offs, plans=name in PLAN_INSTANCES)
+               for name, spec in specs.items()}
     out = {name: {"snaps": {}, "max_ratio": 0.0, "err_first": 0.0, "err_last": 0.0, "mean_err": 0.0,
                   "key_ok": [], "other_key_differs": []} for name in specs}
 
@@ -469,27 +482,88 @@ def test_transport_plan(shape):
                 assert kept == list(range(sh.world_size))
 
 
-@pytest.mark.parametrize("scratch", [1, 96, 1 << 22])
-@pytest.mark.parametrize("mode", ["diff", "direct"])
-@pytest.mark.parametrize("bits,gs", [(4, 32), (8, 64)])
-def test_apply_views_bit_identical(mode, bits, gs, scratch):
-    """Receivers' per-view application (aligned or not, any scratch window) gives the owner's bits."""
-    ag = WeightDeltaAllGather(_fake_topology(1, 1, 0), WeightsConfig(bits=bits, group_size=gs, mode=mode), 0,
-                              backend="torch", level="node", scratch_elements=scratch)
-    gen = torch.Generator().manual_seed(bits * 1000 + gs)
-    M = 5 * gs + 7
+def _owner_update(bits, gs, mode, M, seed):
+    """An owner's op 4 on a bf16 shard: (replica before, replica after, payload, scales)."""
+    gen = torch.Generator().manual_seed(seed)
     # Deltas comparable to the weights, so that a receiver rounding in another order would show.
     owner = (0.05 * torch.randn(M, generator=gen)).to(torch.bfloat16)
     master = owner.float() + 0.02 * torch.randn(M, generator=gen)
-    receiver = owner.clone()
     before = owner.clone()
     payload, scales = R.weight_delta_quantize(master, owner, bits, gs, "nearest", None, 0, mode)
+    assert (_bits(owner) != _bits(before)).float().mean() > 0.5  # the update really changes the replica
+    return before, owner, payload, scales
+
+
+@pytest.mark.parametrize("mode", ["diff", "direct"])
+@pytest.mark.parametrize("bits,gs", [(4, 32), (8, 64)])
+def test_apply_views_bit_identical(mode, bits, gs):
+    """Receivers' application to (view, offset) pieces (aligned or not, several storages) gives the owner's bits."""
+    ag = WeightDeltaAllGather(_fake_topology(1, 2, 0), WeightsConfig(bits=bits, group_size=gs, mode=mode), 0,
+                              backend="torch", level="full")
+    M = 5 * gs + 7
+    before, owner, payload, scales = _owner_update(bits, gs, mode, M, bits * 1000 + gs)
+    receiver = before.clone()
+    other = before[2 * gs + 5:].clone()  # a second storage: the tail of the source lives elsewhere
     # Cut the receiver's copy into pieces at aligned and unaligned offsets (including one element).
-    cuts = [0, 1, gs - 3, gs, 2 * gs + 5, 2 * gs + 6, 4 * gs, M]
+    cuts = [0, 1, gs - 3, gs, 2 * gs + 5]
     items = [(receiver[a:b], a) for a, b in zip(cuts[:-1], cuts[1:])]
-    ag._apply(payload, scales, items, get_backend("torch"), torch.device("cpu"))
-    assert torch.equal(_bits(receiver), _bits(owner))
-    assert (_bits(owner) != _bits(before)).float().mean() > 0.5  # the update really changed the replica
+    items += [(other[: 2 * gs - 5], 2 * gs + 5), (other[2 * gs - 5:], 4 * gs)]
+    for _ in range(2):  # the second call reuses the cached plans
+        receiver.copy_(before)
+        other.copy_(before[2 * gs + 5:])
+        plans = ag._normalize_dst({1: items}, M, torch.bfloat16, torch.device("cpu"), 0)[1]
+        assert len(plans) == 2  # one per storage
+        ag._apply(payload, scales, plans, get_backend("torch"), torch.device("cpu"))
+        assert torch.equal(_bits(receiver[: 2 * gs + 5]), _bits(owner[: 2 * gs + 5]))
+        assert torch.equal(_bits(other), _bits(owner[2 * gs + 5:]))
+    again = ag._normalize_dst({1: items}, M, torch.bfloat16, torch.device("cpu"), 0)[1]
+    assert all(a is b for a, b in zip(again, plans))  # built once, reused while the views stay the same
+
+
+@pytest.mark.parametrize("mode", ["diff", "direct"])
+@pytest.mark.parametrize("bits,gs", [(4, 32), (8, 64)])
+def test_apply_prebuilt_plan_bit_identical(mode, bits, gs):
+    """A plan built once against one flat buffer (pieces of the source placed anywhere in it, in any order) gives
+    the owner's bits, and so does the own source's copy through a plan."""
+    ag = WeightDeltaAllGather(_fake_topology(1, 2, 0), WeightsConfig(bits=bits, group_size=gs, mode=mode), 0,
+                              backend="torch", level="full")
+    M = 6 * gs + 3
+    before, owner, payload, scales = _owner_update(bits, gs, mode, M, bits * 7 + gs)
+    cuts = [0, 3, gs + 1, gs + 2, 3 * gs, 4 * gs + 9, M]
+    pieces = [(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])][::-1]  # reversed placement in the buffer
+    buf = torch.full((M + 3 * len(pieces),), float("nan"), dtype=torch.bfloat16)
+    so, do, ln, pos = [], [], [], 1
+    for a, n in pieces:
+        so.append(a), do.append(pos), ln.append(n)
+        buf[pos: pos + n] = before[a: a + n]
+        pos += n + 3
+    plan = make_segment_plan(so, do, ln, buf, src_numel=M)
+    plans = ag._normalize_dst({1: plan}, M, torch.bfloat16, torch.device("cpu"), 0)[1]
+    assert plans == [plan]
+    ag._apply(payload, scales, plans, get_backend("torch"), torch.device("cpu"))
+    for a, d, n in zip(so, do, ln):
+        assert torch.equal(_bits(buf[d: d + n]), _bits(owner[a: a + n])), (a, d, n)
+    assert torch.isnan(buf[0]) and torch.isnan(buf[-1])  # nothing outside the segments written
+    # the own source's pieces: copied from own_flat through the plan
+    mine = torch.zeros_like(buf)
+    own_plan = make_segment_plan(so, do, ln, mine)
+    ag._copy_own(owner, [own_plan])
+    for a, d, n in zip(so, do, ln):
+        assert torch.equal(_bits(mine[d: d + n]), _bits(owner[a: a + n]))
+    # a plan of the wrong dtype or reading past the partition is refused
+    with pytest.raises(ValueError, match="dtype"):
+        ag._normalize_dst({1: make_segment_plan([0], [0], [4], torch.zeros(4))}, M, torch.bfloat16,
+                          torch.device("cpu"), 0)
+    with pytest.raises(ValueError, match="outside the partition"):
+        ag._normalize_dst({1: make_segment_plan([M - 2], [0], [4], buf)}, M, torch.bfloat16, torch.device("cpu"), 0)
+
+
+def test_overlapping_views_are_refused():
+    ag = WeightDeltaAllGather(_fake_topology(1, 2, 0), WeightsConfig(bits=4, group_size=32), 0, backend="torch",
+                              level="full")
+    buf = torch.zeros(100, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"dst\[1\]: views \[0, 1\] share a storage and segments 0 and 1 overlap"):
+        ag._normalize_dst({1: [(buf[0:10], 0), (buf[5:20], 10)]}, 64, torch.bfloat16, torch.device("cpu"), 0)
 
 
 def test_bad_arguments():
@@ -501,9 +575,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="level.*omitted"):
         WeightDeltaAllGather(topo, WeightsConfig(), 0)
     with pytest.raises(ValueError, match="seed"):
-        WeightDeltaAllGather(topo, WeightsConfig(replica="node"), -1)
-    with pytest.raises(ValueError, match="scratch_elements"):
-        WeightDeltaAllGather(topo, WeightsConfig(replica="node"), 0, scratch_elements=0)
+        WeightDeltaAllGather(topo, WeightsConfig(replica="full"), -1)
     ag = WeightDeltaAllGather(topo, WeightsConfig(replica="node"), 0)
     assert ag.sources_needed() == [2, 3]          # rank 1 = node 0, local 1 keeps partitions 2 and 3
     assert ag.sources_needed(0) == [0, 1]

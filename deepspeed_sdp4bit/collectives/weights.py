@@ -33,13 +33,14 @@ Per step (:meth:`WeightDeltaAllGather.refresh`)
      result), never ``world`` of them.  An intra all-gather would have sent ``g - 1`` times as much and
      held ``g`` times the memory.  The inter rows are already ordered by destination (``(n'*g + l) // N``
      is non-decreasing in ``n'``), so the all-to-all reads them in place.
-5. Receivers apply each payload to every destination view.  A view starting on a group boundary of the
-   source's flat partition goes through the backend's fused ``dequant_add_``; any other view (per-parameter
-   pieces at arbitrary offsets) reads a fp32 scratch of ``float(code) * scale`` (filled window by window,
-   ``scratch_elements`` at a time, so its size is bounded) and does ``view = cast(float(view) + deq)``: the
-   same element-wise fp32 operations as the owner's (no fused multiply-add), hence the same bits.  The
-   own source's views (node level, or a full replica kept apart from ``own_flat``) are copied from
-   ``own_flat``, which is bit-identical by construction.
+5. Receivers apply each payload to its destination pieces with the backend's fused
+   ``dequant_add_segments_`` (op 6): one launch per source and destination buffer, whatever the pieces'
+   offsets (group-aligned or not), with the owner's element-wise fp32 operations (no fused multiply-add),
+   hence the owner's bits.  The destinations come either as prebuilt segment plans against one flat buffer
+   (:func:`~deepspeed_sdp4bit.segments.make_segment_plan`, built once by the caller: nothing per piece per
+   step) or as ``(view, offset)`` lists, which are grouped by the views' storage into plans cached across
+   steps.  The own source's pieces (node level, or a full replica kept apart from ``own_flat``) are copied
+   from ``own_flat``, which is bit-identical by construction.
 
 Byte accounting (``stats``, per :meth:`refresh`, bytes this rank puts on the wire)
 --------------------------------------------------------------------------------
@@ -68,38 +69,17 @@ import torch.distributed as dist
 from .. import reference as R
 from ..config import WeightsConfig
 from ..ops import get_backend
+from ..segments import SegmentPlan, make_segment_plan
 from ..topology import Topology
 from .stats import CommStats
 from .buffers import BufferPool
 
 LEVELS = ("node", "full")
 
-DstItem = Union[torch.Tensor, Tuple[torch.Tensor, int]]
-DstMap = Dict[int, Sequence[DstItem]]
+DstItem = Union[torch.Tensor, Tuple[torch.Tensor, int], SegmentPlan]
+DstMap = Dict[int, Union[SegmentPlan, Sequence[DstItem]]]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class PreparedDst:
-    """A destination map checked once (:meth:`WeightDeltaAllGather.prepare_dst`) for partitions of ``M``
-    elements of one dtype and device; :meth:`~WeightDeltaAllGather.refresh` and
-    :meth:`~WeightDeltaAllGather.full_sync` take it without walking every view again."""
-
-    __slots__ = ("views", "M", "dtype", "device")
-
-    def __init__(self, views: Dict[int, List[Tuple[torch.Tensor, int]]], M: int, dtype: torch.dtype,
-                 device: torch.device):
-        self.views, self.M, self.dtype, self.device = views, M, dtype, device
-
-
-def _copy_many(dsts: List[torch.Tensor], srcs: List[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for each pair, as one multi-tensor launch where torch has one."""
-    copy_ = getattr(torch, "_foreach_copy_", None)
-    if copy_ is not None and len(dsts) > 1:
-        copy_(dsts, srcs)
-    else:
-        for dst, src in zip(dsts, srcs):
-            dst.copy_(src)
 
 
 class WeightDeltaAllGather:
@@ -113,8 +93,6 @@ class WeightDeltaAllGather:
         backend: kernel backend name for :func:`~deepspeed_sdp4bit.ops.get_backend` (resolved on the
             device of the first tensors seen).
         level: ``"node"`` or ``"full"``; default ``cfg.replica``.
-        scratch_elements: bound on the fp32 scratch used to apply views that do not start on a group
-            boundary (rounded down to whole groups, at least one group); 4M elements = 16 MiB.
 
     Attributes:
         stats: bytes this rank sends per level (``"inter"``, ``"intra"``) over :meth:`refresh` calls.
@@ -122,7 +100,7 @@ class WeightDeltaAllGather:
     """
 
     def __init__(self, topology: Topology, cfg: WeightsConfig, seed: int, backend: str = "auto",
-                 level: Optional[str] = None, scratch_elements: int = 1 << 22):
+                 level: Optional[str] = None):
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a deepspeed_sdp4bit Topology, got {type(topology).__name__}")
         if not isinstance(cfg, WeightsConfig):
@@ -135,9 +113,6 @@ class WeightDeltaAllGather:
             raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        if not isinstance(scratch_elements, int) or scratch_elements < 1:
-            raise ValueError(f"scratch_elements must be a positive int, got {scratch_elements!r}")
-        self.scratch_elements = scratch_elements
         self.topology = topology
         self.shape = topology.shape
         self.rank = topology.rank
@@ -152,9 +127,11 @@ class WeightDeltaAllGather:
         self._backend = None
         self.stats = CommStats()
         self.sync_stats = CommStats()
-        # Persistent buffers (send row, inter/intra receive rows, fp32 dequant scratch), grown to the
-        # largest bucket seen and shared by all buckets.
+        # Persistent buffers (send row, inter/intra receive rows), grown to the largest bucket seen and shared
+        # by all buckets.
         self._pool = BufferPool()
+        # Segment plans of (view, offset) destination lists, per (bucket, source): (signature, plans).
+        self._view_plans: Dict[Tuple[int, int], Tuple[tuple, List[SegmentPlan]]] = {}
         self._checked = set()
         self._plan = self._make_plan()
 
@@ -210,9 +187,10 @@ class WeightDeltaAllGather:
             self._backend = get_backend(self.backend_name, device)
         return self._backend
 
-    def _normalize_dst(self, dst: DstMap, M: int, dtype: torch.dtype, device: torch.device
-                       ) -> Dict[int, List[Tuple[torch.Tensor, int]]]:
-        """``dst`` as {source: [(view, offset)]} with every view checked against the partition of M."""
+    def _normalize_dst(self, dst: DstMap, M: int, dtype: torch.dtype, device: torch.device, bucket_id: int
+                       ) -> Dict[int, List[SegmentPlan]]:
+        """``dst`` as {source: [segment plans]}: prebuilt plans checked against the partition of M (O(1) each),
+        views checked one by one and grouped by storage into plans (cached while the views stay the same)."""
         if not isinstance(dst, dict):
             raise TypeError(f"dst must be a dict {{source rank: [views or (view, offset)]}}, got "
                             f"{type(dst).__name__}")
@@ -227,19 +205,36 @@ class WeightDeltaAllGather:
         if missing:
             raise ValueError(f"dst lacks sources {missing} that rank {self.rank} keeps at level "
                              f"{self.level!r}; pass an empty list if a source has nothing here")
-        out: Dict[int, List[Tuple[torch.Tensor, int]]] = {}
+        out: Dict[int, List[SegmentPlan]] = {}
         for s, items in dst.items():
             if isinstance(items, torch.Tensor):
-                raise TypeError(f"dst[{s}] must be a list of views or (view, offset) pairs, not a tensor")
+                raise TypeError(f"dst[{s}] must be a SegmentPlan or a list of views or (view, offset) pairs, not a "
+                                "tensor")
+            if isinstance(items, SegmentPlan):
+                items = [items]
             pos = 0
             norm = []
+            plans = []
             for k, item in enumerate(items):
+                if isinstance(item, SegmentPlan):
+                    b = item.dst
+                    if b.dtype != dtype:
+                        raise ValueError(f"dst[{s}][{k}]: the plan's buffer has dtype {b.dtype}; it must match "
+                                         f"own_flat's {dtype} for the replicas to stay bit-identical")
+                    if item.device != device:
+                        raise ValueError(f"dst[{s}][{k}]: the plan is for {item.device}, own_flat is on {device}")
+                    if item.src_end > M:
+                        raise ValueError(f"dst[{s}][{k}]: the plan reads source elements up to {item.src_end}, "
+                                         f"outside the partition [0, {M})")
+                    plans.append(item)
+                    continue
                 if isinstance(item, torch.Tensor):
                     view, off = item, pos
                 elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], torch.Tensor):
                     view, off = item[0], int(item[1])
                 else:
-                    raise TypeError(f"dst[{s}][{k}] must be a tensor or a (tensor, source offset) pair")
+                    raise TypeError(f"dst[{s}][{k}] must be a tensor, a (tensor, source offset) pair or a "
+                                    "SegmentPlan")
                 L = view.numel()
                 if view.dim() != 1 or not view.is_contiguous():
                     raise ValueError(f"dst[{s}][{k}] must be a contiguous 1-D view, got shape "
@@ -254,23 +249,33 @@ class WeightDeltaAllGather:
                                      f"partition [0, {M})")
                 norm.append((view, off))
                 pos = off + L
-            out[s] = norm
+            out[s] = plans + self._plans_of_views(int(bucket_id), s, norm)
         return out
 
-    def prepare_dst(self, dst: DstMap, own_flat: torch.Tensor) -> PreparedDst:
-        """Check ``dst`` (as :meth:`refresh` takes it) once against partitions shaped like ``own_flat``."""
-        self._check_flat("own_flat", own_flat, (torch.bfloat16, torch.float16, torch.float32))
-        M = own_flat.numel()
-        return PreparedDst(self._normalize_dst(dst, M, own_flat.dtype, own_flat.device), M, own_flat.dtype,
-                           own_flat.device)
-
-    def _views(self, dst, M: int, dtype: torch.dtype, device: torch.device):
-        if isinstance(dst, PreparedDst):
-            if (dst.M, dst.dtype, dst.device) != (M, dtype, device):
-                raise ValueError(f"a prepared dst for M={dst.M} {dst.dtype} on {dst.device} was given a "
-                                 f"partition of M={M} {dtype} on {device}")
-            return dst.views
-        return self._normalize_dst(dst, M, dtype, device)
+    def _plans_of_views(self, bucket_id: int, s: int, items: List[Tuple[torch.Tensor, int]]) -> List[SegmentPlan]:
+        """Segment plans of checked ``(view, offset)`` items of source ``s``: one per storage the views live in
+        (the plan's buffer spans the storage), cached per (bucket, source) while the views stay the same."""
+        items = [(v, off) for v, off in items if v.numel()]
+        sig = tuple((v.untyped_storage().data_ptr(), v.storage_offset(), v.numel(), off) for v, off in items)
+        hit = self._view_plans.get((bucket_id, s))
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        groups: Dict[int, List[int]] = {}
+        for k, (v, _) in enumerate(items):
+            groups.setdefault(v.untyped_storage().data_ptr(), []).append(k)
+        plans = []
+        for idx in groups.values():
+            v0 = items[idx[0]][0]
+            st = v0.untyped_storage()
+            base = torch.empty(0, dtype=v0.dtype, device=v0.device).set_(st, 0, (st.nbytes() // v0.element_size(),))
+            try:
+                plans.append(make_segment_plan([items[k][1] for k in idx], [items[k][0].storage_offset() for k in idx],
+                                               [items[k][0].numel() for k in idx], base))
+            except ValueError as e:  # name the items rather than the plan's segment numbers
+                raise ValueError(f"dst[{s}]: views {idx} share a storage and {e}") from e
+        # (the plans' buffers keep the storages alive, so a cached signature cannot match other tensors)
+        self._view_plans[(bucket_id, s)] = (sig, plans)
+        return plans
 
     def _check_consistent(self, M: int, bucket_id: int, device: torch.device) -> None:
         """Once per (bucket, M): all ranks agree on M and the settings (else collectives would hang)."""
@@ -345,11 +350,15 @@ class WeightDeltaAllGather:
         Args:
             master_flat: fp32 [M], this rank's master shard.
             own_flat: bf16/fp16/fp32 [M], this rank's replica shard, updated in place.
-            dst: {source rank: items}, an item being a 1-D view (placed right after the previous item, the
-                first at source offset 0) or a ``(view, source_offset)`` pair; view k receives source
-                elements ``[offset, offset + len)``.  Every source of :meth:`sources_needed` other than this
-                rank must be a key; this rank's items (if given) get a copy of the updated ``own_flat``.
-                Or a :class:`PreparedDst` of such a map (:meth:`prepare_dst`), checked once.
+            dst: {source rank: a :class:`~deepspeed_sdp4bit.segments.SegmentPlan` or a list of items}, an item
+                being a SegmentPlan, a 1-D view (placed right after the previous view, the first at source
+                offset 0) or a ``(view, source_offset)`` pair; view k receives source elements ``[offset,
+                offset + len)``, a plan's segment ``(s0, d0, L)`` writes source elements ``[s0, s0 + L)`` to
+                ``plan.dst[d0:d0 + L]``.  Prebuilt plans (built once by the caller against one flat buffer per
+                sub-group, ``segments.make_segment_plan``) cost O(1) per step; views are checked every step
+                and grouped into cached plans.  Every source of :meth:`sources_needed` other than this rank
+                must be a key; this rank's items (if given) get a copy of the updated ``own_flat``.  No two
+                pieces of one source may overlap.
             step: optimizer step (stochastic-rounding stream).
             bucket_id: distinguishes buckets of one step (stream; buffers are shared).
         """
@@ -363,7 +372,7 @@ class WeightDeltaAllGather:
         if master_flat.device != own_flat.device:
             raise ValueError(f"master_flat is on {master_flat.device}, own_flat on {own_flat.device}")
         dev = own_flat.device
-        views = self._views(dst, M, own_flat.dtype, dev)
+        views = self._normalize_dst(dst, M, own_flat.dtype, dev, int(bucket_id))
         self._check_consistent(M, int(bucket_id), dev)
         backend = self._resolve_backend(dev)
         bits, gs = self.bits, self.group_size
@@ -392,61 +401,15 @@ class WeightDeltaAllGather:
             self._copy_own(own_flat, views[self.rank])
 
     @staticmethod
-    def _copy_own(own_flat: torch.Tensor, items: List[Tuple[torch.Tensor, int]]) -> None:
-        pairs = [(view, own_flat[off: off + view.numel()]) for view, off in items if view.numel()]
-        if pairs:
-            _copy_many([v for v, _ in pairs], [src for _, src in pairs])
+    def _copy_own(own_flat: torch.Tensor, plans: List[SegmentPlan], cache: bool = True) -> None:
+        for plan in plans:
+            plan.copy_from(own_flat, cache=cache)
 
-    def _apply(self, payload: torch.Tensor, scales: torch.Tensor, items, backend, dev) -> None:
-        """Apply one source's payload to its views, bit-identical to the owner's update."""
-        bits, gs, mode = self.bits, self.group_size, self.mode
-        unaligned = []
-        for view, off in items:
-            L = view.numel()
-            if L == 0:
-                continue
-            if off % gs == 0:
-                g0, ng = off // gs, R.num_groups(L, gs)
-                backend.dequant_add_(view, payload[g0 * gs * bits // 8: (g0 + ng) * gs * bits // 8],
-                                     scales[g0: g0 + ng], bits, gs, mode)
-            else:
-                unaligned.append((view, off))
-        if not unaligned:
-            return
-        # Dequantize the touched groups once per window of at most ``scratch_elements`` (so the fp32
-        # scratch and its temporaries stay bounded however large the partition), then a cheap add per view
-        # piece inside the window.
-        win = max(1, self.scratch_elements // gs) * gs
-        lo = min(off for _, off in unaligned) // gs * gs
-        hi = max(R.num_groups(off + v.numel(), gs) for v, off in unaligned) * gs
-        scratch = self._pool.get("scratch", min(win, hi - lo), torch.float32, dev)
-        for w0 in range(lo, hi, win):
-            w1 = min(w0 + win, hi)
-            pieces = [(v, off, max(off, w0), min(off + v.numel(), w1)) for v, off in unaligned]
-            pieces = [p for p in pieces if p[2] < p[3]]
-            if not pieces:
-                continue
-            deq = scratch[: w1 - w0]
-            codes = R.unpack_codes(payload[w0 * bits // 8: w1 * bits // 8], bits)
-            # float(code) * scale, one rounded fp32 multiply: reference.dequantize_groups, into the scratch.
-            torch.mul(codes.view(-1, gs).float(), scales[w0 // gs: w1 // gs].view(-1, 1), out=deq.view(-1, gs))
-            # All pieces of the window at once (a handful of launches instead of four per view, which
-            # dominated the refresh of models with hundreds of parameters): the same element-wise
-            # cast(float(replica) + deq) as the owner, on a gathered copy, scattered back.
-            parts = [view[a - off: b - off] for view, off, a, b in pieces]
-            d = torch.cat([deq[a - w0: b - w0] for _, _, a, b in pieces])
-            by_dtype = {}
-            for i, part in enumerate(parts):
-                by_dtype.setdefault(part.dtype, []).append(i)
-            start = [0]
-            for part in parts:
-                start.append(start[-1] + part.numel())
-            for dtype, idx in by_dtype.items():
-                group = [parts[i] for i in idx]
-                dd = torch.cat([d[start[i]: start[i + 1]] for i in idx]) if len(idx) < len(parts) else d
-                cur = torch.cat(group)
-                new = (cur.float() + dd).to(dtype) if mode == "diff" else dd.to(dtype)
-                _copy_many(group, list(new.split([g.numel() for g in group])))
+    def _apply(self, payload: torch.Tensor, scales: torch.Tensor, plans: List[SegmentPlan], backend, dev) -> None:
+        """Apply one source's payload to its pieces, bit-identical to the owner's update: one op 6 launch per
+        destination buffer."""
+        for plan in plans:
+            backend.dequant_add_segments_(plan.dst, payload, scales, self.bits, self.group_size, self.mode, plan)
 
     # ------------------------------------------------------------------------------------------------------
     # exact resynchronisation
@@ -474,7 +437,7 @@ class WeightDeltaAllGather:
                 raise ValueError(f"master_flat has {master_flat.numel()} elements but own_flat has {M}")
             own_flat.copy_(master_flat)
         dev = own_flat.device
-        views = self._views(dst, M, own_flat.dtype, dev)
+        views = self._normalize_dst(dst, M, own_flat.dtype, dev, int(bucket_id))
         self._check_consistent(M, int(bucket_id), dev)
         B = M * own_flat.element_size()
         send = own_flat.view(torch.uint8)
@@ -484,8 +447,10 @@ class WeightDeltaAllGather:
             items = views.get(s)
             if not items:
                 continue
-            src = own_flat if s == self.rank else row.view(own_flat.dtype)
-            self._copy_own(src, items)
+            if s == self.rank:
+                self._copy_own(own_flat, items)
+            else:  # a temporary row: no cached slices of it
+                self._copy_own(row.view(own_flat.dtype), items, cache=False)
         if self.rank in views and self.rank not in sources:
             self._copy_own(own_flat, views[self.rank])
 

@@ -1,4 +1,4 @@
-"""Fused SDP4Bit kernels (Triton and CUDA backends of the five ops in ``reference.py``).
+"""Fused SDP4Bit kernels (Triton and CUDA backends of the six ops in ``reference.py``).
 
 The modules here are imported lazily by :mod:`deepspeed_sdp4bit.ops` (``get_backend``), never at package
 import time, so a machine without Triton or a CUDA toolchain can still use the torch backend.

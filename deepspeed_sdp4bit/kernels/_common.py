@@ -232,27 +232,68 @@ def weight_delta_plan(master: torch.Tensor, replica: torch.Tensor, bits: int, gr
     return qmax, stoch, diff, R.num_groups(replica.numel(), group_size)
 
 
+def _update_checks(dst: torch.Tensor, name: str, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                   group_size: int, mode: str) -> bool:
+    """The argument checks ops 5 and 6 share: a float destination, uint8 payload, fp32 scales, bits, group size
+    and mode (True for 'diff')."""
+    check_float(dst, name)
+    check_typed(payload, "payload", torch.uint8)
+    check_typed(scales, "scales", torch.float32)
+    check_bits(bits)
+    check_group_size(group_size, bits)
+    return check_mode(mode)
+
+
+def _check_whole_groups(ncodes: int, scales: torch.Tensor, group_size: int) -> None:
+    if ncodes % group_size or scales.numel() != ncodes // group_size:
+        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
+                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
+
+
 def dequant_add_plan(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
                      group_size: int, mode: str) -> bool:
     """Op 5's argument checks, shared by both backends (``dequant_add_``'s arguments); True for 'diff'.
 
     The payload must hold at least ``replica.numel()`` codes in whole groups, with one scale per group.
     """
-    check_float(replica, "replica")
-    check_typed(payload, "payload", torch.uint8)
-    check_typed(scales, "scales", torch.float32)
-    check_bits(bits)
-    check_group_size(group_size, bits)
-    diff = check_mode(mode)
+    diff = _update_checks(replica, "replica", payload, scales, bits, group_size, mode)
     ncodes = payload.numel() * 8 // bits
     n = replica.numel()
     if ncodes < n:
         raise ValueError(f"payload holds {ncodes} codes for a replica of {n}")
-    if ncodes % group_size or scales.numel() != ncodes // group_size:
-        raise ValueError(f"payload of {ncodes} codes needs {ncodes // group_size} scales for group_size "
-                         f"{group_size} (and a whole number of groups), got {scales.numel()} scales")
+    _check_whole_groups(ncodes, scales, group_size)
     if not replica.is_contiguous():
         raise ValueError("replica must be contiguous (it is updated in place)")
+    return diff
+
+
+def dequant_add_segments_plan(dst: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                              group_size: int, mode: str, segments: Any) -> bool:
+    """Op 6's argument checks, shared by all backends (``dequant_add_segments_``'s arguments); True for 'diff'.
+
+    O(1) per call: everything about the segments themselves was checked when the plan was built.  ``dst`` must
+    be a 1-D contiguous float buffer on the plan's device holding at least ``segments.dst_end`` elements; the
+    payload must hold whole groups (one scale each) and at least ``segments.src_end`` codes.
+    """
+    from ..segments import SegmentPlan  # a leaf module
+    diff = _update_checks(dst, "dst", payload, scales, bits, group_size, mode)
+    if not isinstance(segments, SegmentPlan):
+        raise TypeError(f"segments must be a SegmentPlan (deepspeed_sdp4bit.segments.make_segment_plan), got "
+                        f"{type(segments).__name__}")
+    if dst.dim() != 1 or not dst.is_contiguous():
+        raise ValueError(f"dst must be a contiguous 1-D buffer (it is updated in place), got shape "
+                         f"{tuple(dst.shape)}")
+    if dst.device != segments.device:
+        raise ValueError(f"dst is on {dst.device} but the segment plan was built for {segments.device}")
+    if dst.numel() < segments.dst_end:
+        raise ValueError(f"dst has {dst.numel()} elements, the segments write up to {segments.dst_end}")
+    if payload.device != dst.device or scales.device != dst.device:
+        raise ValueError(f"payload ({payload.device}) and scales ({scales.device}) must be on dst's device "
+                         f"{dst.device}")
+    ncodes = payload.numel() * 8 // bits
+    if ncodes < segments.src_end:
+        raise ValueError(f"payload holds {ncodes} codes, the segments read up to {segments.src_end}")
+    _check_whole_groups(ncodes, scales, group_size)
     return diff
 
 

@@ -1,4 +1,4 @@
-"""CUDA backend: the five SDP4Bit ops as compiled kernels (``csrc/``), bit-exact with ``reference.py``.
+"""CUDA backend: the six SDP4Bit ops as compiled kernels (``csrc/``), bit-exact with ``reference.py``.
 
 :func:`make_backend` returns ``ops.Backend("cuda", ...)``; :mod:`deepspeed_sdp4bit.ops` calls it lazily.
 The extension is JIT-built through DeepSpeed's op builder (``op_builder/sdp4bit.py``, located by
@@ -24,8 +24,9 @@ from typing import Optional, Tuple
 import torch
 
 from .. import ops as _ops
-from ._common import (backend_from, buffer, dequant_add_plan, inverse_plan, quantize_plan, requant_plan,
-                      weight_delta_plan)
+from ..segments import GPU_TILE
+from ._common import (backend_from, buffer, dequant_add_plan, dequant_add_segments_plan, inverse_plan,
+                      quantize_plan, requant_plan, weight_delta_plan)
 
 __all__ = [
     "make_backend",
@@ -34,6 +35,7 @@ __all__ = [
     "dequant_sum_inverse_hadamard",
     "weight_delta_quantize",
     "dequant_add_",
+    "dequant_add_segments_",
 ]
 
 def _ext():
@@ -67,7 +69,7 @@ def _dense(payloads: torch.Tensor, scales: torch.Tensor) -> Tuple[torch.Tensor, 
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the five ops
+# the six ops
 # ----------------------------------------------------------------------------------------------------------
 def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size: Optional[int],
                       rounding: str = "nearest", key: Optional[int] = None, offset: int = 0,
@@ -177,6 +179,23 @@ def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Ten
     return replica
 
 
+def dequant_add_segments_(dst: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                          group_size: int, mode: str, segments) -> torch.Tensor:
+    """Op 6 (``reference.dequant_add_segments_``): op 5 through a segment plan, one launch, in place.
+
+    Args: dst [n] contiguous float32/float16/bfloat16 on the plan's device; payload uint8 (whole groups, at least
+        ``segments.src_end`` codes); scales float32 [groups]; segments a ``segments.SegmentPlan`` (its tile table
+        for ``segments.GPU_TILE`` was built with it: nothing is allocated or copied here).
+    Returns: ``dst``.
+    """
+    diff = dequant_add_segments_plan(dst, payload, scales, bits, group_size, mode, segments)
+    if segments.num_segments == 0:
+        return dst
+    _launch("dequant_add_segments_", dst, payload.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), bits,
+            int(group_size), int(diff), segments.tiles(GPU_TILE), int(segments.src_end), int(segments.dst_end))
+    return dst
+
+
 # ----------------------------------------------------------------------------------------------------------
 # backend
 # ----------------------------------------------------------------------------------------------------------
@@ -197,5 +216,5 @@ def _probe(device: torch.device) -> Tuple[bool, str]:
 
 
 def make_backend() -> "_ops.Backend":
-    """The ``cuda`` backend: the five ops above and a probe (CUDA device, CUDA torch, extension builds)."""
+    """The ``cuda`` backend: the six ops above and a probe (CUDA device, CUDA torch, extension builds)."""
     return backend_from("cuda", globals(), _probe)

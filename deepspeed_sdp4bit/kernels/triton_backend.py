@@ -1,7 +1,7 @@
-"""Triton kernels for the five SDP4Bit ops, bit-exact with :mod:`deepspeed_sdp4bit.reference`.
+"""Triton kernels for the six SDP4Bit ops, bit-exact with :mod:`deepspeed_sdp4bit.reference`.
 
 Public entry point: :func:`make_backend` returns ``ops.Backend("triton", ...)``; :mod:`deepspeed_sdp4bit.ops`
-calls it lazily the first time the ``triton`` backend is asked for.  The five ops have the reference
+calls it lazily the first time the ``triton`` backend is asked for.  The six ops have the reference
 signatures plus optional ``out=`` / ``out_scales=`` buffers (written in place when given, allocated
 otherwise), exactly like the torch backend in ``ops.py``.
 
@@ -66,8 +66,8 @@ import triton.language as tl
 
 from .. import ops as _ops
 from .. import reference as R
-from ._common import (backend_from, buffer, dequant_add_plan, inverse_plan, quantize_plan, requant_plan,
-                      weight_delta_plan)
+from ._common import (backend_from, buffer, dequant_add_plan, dequant_add_segments_plan, inverse_plan,
+                      quantize_plan, requant_plan, weight_delta_plan)
 
 __all__ = [
     "make_backend",
@@ -77,6 +77,7 @@ __all__ = [
     "dequant_sum_inverse_hadamard",
     "weight_delta_quantize",
     "dequant_add_",
+    "dequant_add_segments_",
 ]
 
 # dtype "kind" codes the kernels specialize on: how to widen/narrow to/from fp32
@@ -359,6 +360,40 @@ def _dequant_add_kernel(replica_ptr, p_ptr, s_ptr, n, GS: tl.constexpr, BITS: tl
     if DIFF:
         deq = _load_f32(replica_ptr + g, mask, R_KIND) + deq
     _store_from_f32(replica_ptr + g, deq, mask, R_KIND)
+
+
+@triton.jit
+def _dequant_add_segments_kernel(dst_ptr, p_ptr, s_ptr, tiles_ptr, GS: tl.constexpr, BITS: tl.constexpr,
+                                 BLOCK: tl.constexpr, DIFF: tl.constexpr, R_KIND: tl.constexpr):
+    """Op 6: one program per tile-table row ``(src_start, dst_start, count)``, op 5's arithmetic on it.
+
+    A whole tile (count == BLOCK) whose source and destination starts are multiples of 16 takes an unmasked
+    path with alignment hints (vector loads and stores on GPUs); any other tile the masked one.  Same bits
+    (the interpreter runs both paths too).
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    src0 = tl.load(tiles_ptr + 3 * pid)
+    dst0 = tl.load(tiles_ptr + 3 * pid + 1)
+    cnt = tl.load(tiles_ptr + 3 * pid + 2)
+    g = tl.arange(0, BLOCK)
+    whole = (cnt == BLOCK) & (src0 % 16 == 0) & (dst0 % 16 == 0)
+    if whole:
+        # (x // 16) * 16 == x here; written so, the compiler knows the starts are multiples of 16, and the mask is
+        # all true at compile time: vector loads and stores
+        _segment_tile((src0 // 16) * 16 + g, (dst0 // 16) * 16 + g, g < BLOCK, dst_ptr, p_ptr, s_ptr, GS, BITS,
+                      DIFF, R_KIND)
+    else:
+        _segment_tile(src0 + g, dst0 + g, g < cnt, dst_ptr, p_ptr, s_ptr, GS, BITS, DIFF, R_KIND)
+
+
+@triton.jit
+def _segment_tile(s, d, mask, dst_ptr, p_ptr, s_ptr, GS: tl.constexpr, BITS: tl.constexpr, DIFF: tl.constexpr,
+                  R_KIND: tl.constexpr):
+    """dst[d] = cast(float(dst[d]) + code[s] * scale[s // GS]) (or cast(code * scale)) where ``mask``."""
+    deq = _load_codes_f32(p_ptr, s, mask, BITS) * tl.load(s_ptr + s // GS, mask=mask, other=0.0)
+    if DIFF:
+        deq = _load_f32(dst_ptr + d, mask, R_KIND) + deq
+    _store_from_f32(dst_ptr + d, deq, mask, R_KIND)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1001,6 +1036,9 @@ _OP3_PTX_DECODE_MIN_K = 3
 # much as possible (numpy then does the work in bulk).
 _GPU_TILE = 4096
 _INTERP_TILE = 1 << 15
+# Op 6's tiles under the interpreter: a program per tile, so small ones keep the tests' many short segments
+# cheap (on GPUs op 6 uses _GPU_TILE, = segments.GPU_TILE, whose table the plan builds up front).
+_SEG_INTERP_TILE = 1 << 10
 
 
 def _pow2_at_least(v: int) -> int:
@@ -1188,7 +1226,7 @@ def _float_view(t: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# the five ops
+# the six ops
 # ----------------------------------------------------------------------------------------------------------
 def hadamard_quantize(x: torch.Tensor, bits: int, group_size: int, hadamard_size: Optional[int],
                       rounding: str = "nearest", key: Optional[int] = None, offset: int = 0,
@@ -1403,6 +1441,28 @@ def dequant_add_(replica: torch.Tensor, payload: torch.Tensor, scales: torch.Ten
     return replica
 
 
+def dequant_add_segments_(dst: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor, bits: int,
+                          group_size: int, mode: str, segments) -> torch.Tensor:
+    """Op 6 (see ``reference.dequant_add_segments_``): op 5 through a segment plan, one launch.
+
+    Args: dst [n] contiguous float32/float16/bfloat16 (the plan's buffer or one of its size and device);
+        payload uint8 (whole groups, at least ``segments.src_end`` codes); scales float32 [groups];
+        segments a ``segments.SegmentPlan``.  ``mode='direct'``: ``cast(deq)``.
+    Returns: ``dst``.
+    """
+    diff = dequant_add_segments_plan(dst, payload, scales, bits, group_size, mode, segments)
+    device = dst.device
+    _check_device(device, payload=payload, scales=scales)
+    if segments.num_segments == 0:
+        return dst
+    block = _SEG_INTERP_TILE if _INTERPRETED else _GPU_TILE
+    tiles = segments.tiles(block)
+    _launch(_dequant_add_segments_kernel, (tiles.shape[0],),
+            _float_view(dst), _code_view(payload.contiguous(), bits), scales.reshape(-1).contiguous(), tiles,
+            tile_elems=block, GS=group_size, BITS=bits, BLOCK=block, DIFF=diff, R_KIND=_KIND[dst.dtype])
+    return dst
+
+
 # ----------------------------------------------------------------------------------------------------------
 # backend
 # ----------------------------------------------------------------------------------------------------------
@@ -1422,5 +1482,5 @@ def _probe(device: torch.device) -> Tuple[bool, str]:
 
 
 def make_backend() -> "_ops.Backend":
-    """The ``triton`` backend: the five ops above and a probe (CUDA; CPU only under TRITON_INTERPRET=1)."""
+    """The ``triton`` backend: the six ops above and a probe (CUDA; CPU only under TRITON_INTERPRET=1)."""
     return backend_from("triton", globals(), _probe)
