@@ -1,7 +1,8 @@
 """The benchmark suite: ``python -m benchmarks QUESTION ...`` (run from the repository root).
 
 Questions:
-  kernels      bandwidth of the SDP4Bit kernels vs a device copy and DeepSpeed's quantizer (one GPU)
+  kernels      bandwidth of the SDP4Bit kernels vs a device copy and DeepSpeed's quantizer (one GPU;
+               benchmarks/bench_kernels.py's options; ``--chunk-counts``: bench_chunk_counts.py's sweep)
   collectives  the quantized collectives alone vs NCCL bf16 (``--layout`` GPT: the weight refresh on
                DeepSpeed's real per-parameter partition layout, one GPU)
   e2e          step time of the GPT per config x topology (``--ranks-per-gpu`` / ``--share-gpu``: several
@@ -50,6 +51,9 @@ def main(argv=None) -> int:
     sub.add_parser("projection", help="bytes and time per step at scale (benchmarks/projection.py's options)",
                    add_help=False)
     if argv and argv[0] in ("kernels", "projection"):
+        if argv[0] == "kernels" and "--chunk-counts" in argv:
+            from . import bench_chunk_counts
+            return bench_chunk_counts.main([a for a in argv[1:] if a != "--chunk-counts"]) or 0
         if argv[0] == "kernels":
             from . import bench_kernels
             return bench_kernels.main(argv[1:]) or 0

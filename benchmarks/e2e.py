@@ -44,6 +44,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--timed", type=int, default=4, help="timed steps (>= 2)")
     p.add_argument("--timed-slow", type=int, default=2, help="timed steps of the --slow configs (>= 2)")
+    p.add_argument("--warmup-slow", type=int, default=None, help="untimed steps of the --slow configs "
+                                                                 "(default: --warmup)")
     p.add_argument("--slow", nargs="*", default=SLOW_DEFAULT, help="config names that get --timed-slow")
     p.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (automatic without a GPU)")
     p.add_argument("--out", required=True, help="folder for this run's results file and logs")
@@ -102,8 +104,8 @@ def run(args) -> int:
     cpu = args.cpu or not suite.on_gpu()
     if args.timed < 2 or args.timed_slow < 2:
         raise SystemExit("e2e: --timed and --timed-slow must be >= 2 (ms/step is a median of repetitions)")
-    if args.warmup < 1:
-        raise SystemExit("e2e: --warmup must be >= 1 (the first step includes one-time work)")
+    if args.warmup < 1 or (args.warmup_slow is not None and args.warmup_slow < 1):
+        raise SystemExit("e2e: --warmup and --warmup-slow must be >= 1 (the first step includes one-time work)")
     variants = [suite.Variant.parse(c) for c in args.configs]
     topos = sorted({t: suite.parse_topology(t) for t in args.topologies}.items(),
                    key=lambda kv: (kv[1][0] * kv[1][1], kv[0]))  # 1x1 first: it gives the bound
@@ -117,6 +119,7 @@ def run(args) -> int:
     work = suite.work_dir(run_id)  # outside OUT: only a few files may come back from a GPU machine
     deadline = suite.Deadline(args.deadline)
     rows: List[dict] = []
+    independent: Dict[tuple, dict] = {}
     doc = {"meta": meta, "rows": rows}
     res_file = out / f"{run_id}.json"
 
@@ -141,14 +144,15 @@ def run(args) -> int:
             share = (not cpu) and rpg > 1
             for v in variants:
                 slow = v.config in args.slow
-                steps = args.warmup + (args.timed_slow if slow else args.timed)
+                warmup = args.warmup_slow if slow and args.warmup_slow is not None else args.warmup
+                steps = warmup + (args.timed_slow if slow else args.timed)
                 name = f"{model}_{topo}_{v.label.replace(':', '-')}"
                 row = {"row_id": f"{run_id}/{name}", "run_id": run_id, "created": meta["created"],
                        "commit": meta["commit"], "gpu": gpu, "machine": suite.device_label(meta["machine"]),
                        "config": v.config, "variant": v.label, "replica_requested": v.replica,
                        "default": v.is_default, "topology": topo, "nodes": nodes, "gpus_per_node": gpn,
                        "ranks": world, "ranks_per_device": world if cpu else rpg, "model": model,
-                       "micro_batch": args.micro_batch, "seq": args.seq, "warmup_steps": args.warmup,
+                       "micro_batch": args.micro_batch, "seq": args.seq, "warmup_steps": warmup,
                        "mode": ("cpu gloo" if cpu else ("share-GPU sockets" if share else
                                                         f"{n_gpus} GPUs, {args.transport}")) if world > 1
                        else ("cpu" if cpu else "1 GPU")}
@@ -163,17 +167,36 @@ def run(args) -> int:
                     suite.write_json(res_file, doc)
                     suite.merge_rows(results, [row])
                     continue
+                ds_set = v.ds_set(gpn, share)
+                one_gpu_flag = not cpu and not share and gpn == 1 and world > 1
+                # Nothing of this run depends on the node layout (no sdp4bit block, no hpZ size, no per-rank
+                # GPU split): ZeRO-3 and ZeRO++ in share-GPU mode.  Such a run is measured once per call and
+                # model and rank count, and its row stands for every topology with those ranks.
+                row["topology_independent"] = (not one_gpu_flag
+                                               and all(v.ds_set(g, share) == ds_set for g in (1, 2, 3)))
+                ikey = (model, v.label, world, rpg)
+                if row["topology_independent"] and ikey in independent:
+                    src = independent[ikey]
+                    keep = {k: row[k] for k in ("row_id", "topology", "nodes", "gpus_per_node")}
+                    row.update({k: val for k, val in src.items() if k not in keep})
+                    row.update(keep, reused_from=src["row_id"])
+                    rows.append(row)
+                    print(f"[e2e] {name}: the run of {src['topology']} (same command), "
+                          f"{row.get('ms_per_step') or 0:.1f} ms/step", flush=True)
+                    suite.write_json(res_file, doc)
+                    suite.merge_rows(results, [row])
+                    continue
                 log_json = work / f"{name}.json"
                 targs = ["--ds-config", str(v.path()), "--log-json", str(log_json), "--no-progress",
                          "--d-model", str(shape["d_model"]), "--layers", str(shape["layers"]),
                          "--heads", str(shape["heads"]), "--seq", str(args.seq),
                          "--micro-batch", str(args.micro_batch), "--steps", str(steps), "--random-tokens",
                          "--eval-every", "0", "--eval-batches", "0", "--torch-adam", "yes"]
-                for kv in v.ds_set(gpn, share):
+                for kv in ds_set:
                     targs += ["--ds-set", kv]
                 if model == "tiny":  # every parameter of d64 is below ZeRO-3's persistence threshold
                     targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
-                if not cpu and not share and gpn == 1 and world > 1:
+                if one_gpu_flag:
                     targs.append("--one-gpu-per-rank")
                 targs += list(args.train_arg)
                 cmd, env = suite.launch_command(suite.TRAIN, targs, world, rpg, cpu)
@@ -184,11 +207,13 @@ def run(args) -> int:
                 print(f"[e2e] {name}: {steps} steps, timeout {timeout:.0f} s", flush=True)
                 rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
                 row.update(rc=rc, wall_s=round(wall, 1))
-                row.update(_summarize(log_json, args.warmup, v, world, gpn))
+                row.update(_summarize(log_json, warmup, v, world, gpn))
                 if rc != 0 or row.get("status") != "ok":
                     row["status"] = "failed" if rc != "timeout" else "timeout"
                     row["error_tail"] = suite.log_tail(work / f"{name}.log")
                 rows.append(row)
+                if row["topology_independent"]:
+                    independent[ikey] = row
                 if row.get("ms_per_step"):
                     b = _find_bound(model, gpu, bound_rows())
                     if b is not None:

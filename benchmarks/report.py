@@ -68,9 +68,14 @@ def latest(rows: Sequence[dict]) -> Dict[Tuple[str, str, str], dict]:
 
 
 def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict], bool]:
-    """The ``config`` row to compare ``r`` with: same run if it has one (True), else the newest same-machine one."""
+    """The ``config`` row to compare ``r`` with: same run if it has one (True), else the newest same-machine one.
+
+    A row marked ``topology_independent`` (its command does not depend on the node layout: ZeRO-3 and ZeRO++ in
+    share-GPU mode) stands for every topology with the same number of ranks.
+    """
     same = [b for b in _ok(rows) if b.get("config") == config and b.get("variant") == config
-            and b.get("model") == r.get("model") and b.get("topology") == r.get("topology")]
+            and b.get("model") == r.get("model") and (b.get("topology") == r.get("topology") or (
+                b.get("topology_independent") and b.get("ranks") == r.get("ranks")))]
     in_run = [b for b in same if b.get("run_id") == r.get("run_id")]
     if in_run:
         return in_run[-1], True
@@ -329,6 +334,9 @@ def run_merge(args) -> int:
     d = Path(args.dir)
     for f in args.files:
         f = Path(f)
+        if f.suffix != ".json":
+            print(f"merge: {f}: not JSON, skipped (log archives stay out of the repository)")
+            continue
         doc = json.loads(f.read_text())
         if isinstance(doc, dict) and "meta" in doc and "rows" in doc:
             q = doc["meta"].get("question")
@@ -344,7 +352,10 @@ def run_merge(args) -> int:
             continue
         else:
             raise SystemExit(f"merge: {f} is neither a results file, a row list nor a loss-curve file")
-        target = d / ("throughput.json" if q == "e2e" else "accuracy.json")
-        suite.merge_rows(target, rows)
-        print(f"merge: {f}: {len(rows)} rows -> {target}")
+        targets = {"e2e": "throughput.json", "accuracy": "accuracy.json"}
+        if q not in targets:
+            print(f"merge: {f}: a {q} results file, kept in {d / 'runs'}")
+            continue
+        suite.merge_rows(d / targets[q], rows)
+        print(f"merge: {f}: {len(rows)} rows -> {d / targets[q]}")
     return 0

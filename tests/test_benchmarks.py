@@ -43,19 +43,24 @@ def test_topology_and_variants():
 
 def test_e2e_and_report_on_cpu(tmp_path):
     out = tmp_path / "out"
-    # two calls merging into one throughput.json; the second finds the world-1 bound in the first's rows
-    _suite(["e2e", "--cpu", "--models", "tiny", "--topologies", "1x1", "--configs", "zero3", "--seq", "32",
-            "--micro-batch", "2", "--warmup", "1", "--timed", "2", "--out", str(out), "--bound-from"], tmp_path)
-    _suite(["e2e", "--cpu", "--models", "tiny", "--topologies", "2x1", "--configs", "zero3", "sdp4bit:full",
-            "sdp4bit:node", "--seq", "32", "--micro-batch", "2", "--warmup", "1", "--timed", "2",
-            "--out", str(out), "--bound-from"], tmp_path)
+    # three calls merging into one throughput.json; later ones find the world-1 bound in the first's rows
+    common = ["e2e", "--cpu", "--models", "tiny", "--seq", "32", "--micro-batch", "2", "--warmup", "1", "--timed",
+              "2", "--out", str(out), "--bound-from"]
+    _suite(common + ["--topologies", "1x1", "--configs", "zero3"], tmp_path)
+    _suite(common + ["--topologies", "2x1", "1x2", "--configs", "zero3"], tmp_path)
+    _suite(common + ["--topologies", "2x1", "--configs", "sdp4bit:full", "sdp4bit:node"], tmp_path)
     rows = json.loads((out / "throughput.json").read_text())
     by = {(r["topology"], r["variant"]): r for r in rows}
-    assert set(by) == {("1x1", "zero3"), ("2x1", "zero3"), ("2x1", "sdp4bit:full"), ("2x1", "sdp4bit:node")}
+    assert set(by) == {("1x1", "zero3"), ("2x1", "zero3"), ("1x2", "zero3"), ("2x1", "sdp4bit:full"),
+                       ("2x1", "sdp4bit:node")}
+    # ZeRO-3 ignores the node layout: one run stands for both 2-rank topologies, and says so
+    a, b = by[("1x2", "zero3")], by[("2x1", "zero3")]  # 1x2 runs first (topologies sorted by ranks, name)
+    assert b["reused_from"] == a["row_id"] and "reused_from" not in a and b["ms_per_step"] == a["ms_per_step"]
+    assert by[("2x1", "zero3")]["topology_independent"] and not by[("2x1", "sdp4bit:full")]["topology_independent"]
     # a per-node replica with one rank per node is refused by the integration: recorded, not run
     assert by[("2x1", "sdp4bit:node")]["status"] == "skipped"
     runs = sorted(out.glob("e2e_*Z_*[0-9].json"))
-    assert len(runs) == 2 and len(list(out.glob("e2e_*_logs.tar.gz"))) == 2
+    assert len(runs) == 3 and len(list(out.glob("e2e_*_logs.tar.gz"))) == 3
     meta = json.loads(runs[0].read_text())["meta"]
     assert meta["commit"] and meta["versions"]["torch"] and "e2e" in meta["command"]
     for key in (("1x1", "zero3"), ("2x1", "zero3"), ("2x1", "sdp4bit:full")):
