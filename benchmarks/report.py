@@ -184,6 +184,13 @@ def _acc_groups(rows: Sequence[dict]):
         name = "zero3" if r["config"] == "zero3" and r.get("variant") in ("zero3", "zero3:replay") \
             else f"{r['variant']} {r['topology']}"
         g.setdefault(name, []).append(r)
+    for g in groups.values():
+        for name, rs in g.items():
+            # one row per seed (the newest; for ZeRO-3 a real run before a replay of the same seed)
+            by_seed: Dict[int, dict] = {}
+            for r in sorted(rs, key=lambda r: (r.get("reference") is None, r.get("created", ""))):
+                by_seed[r["seed"]] = r
+            g[name] = [by_seed[s] for s in sorted(by_seed)]
     return groups
 
 
