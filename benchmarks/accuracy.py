@@ -99,7 +99,7 @@ def run(args) -> int:
                            "topology": f"{world}r" if replay else topo, "ranks": world,
                            "model": args.model, "seed": seed, "schedule": schedule, "steps": args.steps,
                            "lr": args.lr, "micro_batch": args.micro_batch, "seq": args.seq}
-                    if v.replica == "node" and gpn == 1:
+                    if v.replica == "node" and gpn == 1 and nodes > 1:
                         row.update(status="skipped", reason="replica node with one rank per node is refused")
                         rows.append(row)
                         continue

@@ -89,6 +89,39 @@ class _Param:
         return self._P
 
 
+def layout_views(groups, topo, wsync, replica: str, alloc):
+    """[(items, M, dst)] per sub-group: the destination views ``SDP4BitState._dst`` builds for this layout.
+
+    ``_dst`` runs on a stand-in state that holds what it reads: the per-sub-group layout [(param, offset, P)],
+    the full replica's per-parameter buffers or the node replica's hpZ secondary tensors (``alloc(numel)``
+    makes them: random bf16 for timing, meta tensors to look at the layout alone).
+    """
+    from deepspeed_sdp4bit.integration import SDP4BitState
+
+    out = []
+    for gi, items in enumerate(groups):
+        layout, off, params = [], 0, []
+        for name, numel, P in items:
+            p = _Param(name, numel, P)
+            params.append(p)
+            layout.append((p, off, P))
+            off += P
+        state = types.SimpleNamespace(topology=topo, weights=wsync, level=replica, layout={gi: layout},
+                                      replica={})
+        if replica == "full":
+            for p in params:
+                state.replica[id(p)] = alloc(p.ds_numel)
+        state._node_replica_active = lambda: replica == "node" and topo.num_nodes > 1
+
+        def ensure_secondary(p):
+            if p.ds_secondary_tensor is None:
+                p.ds_secondary_tensor = alloc(p.partition_numel() * topo.num_nodes)
+            return p.ds_secondary_tensor
+        state._ensure_secondary = ensure_secondary
+        out.append((items, off, SDP4BitState._dst(state, gi)))
+    return out
+
+
 def _refresh_layout(args, out: Path) -> int:
     import torch
     import torch.distributed as dist
@@ -96,7 +129,6 @@ def _refresh_layout(args, out: Path) -> int:
     from deepspeed_sdp4bit import reference as R
     from deepspeed_sdp4bit.collectives.weights import WeightDeltaAllGather
     from deepspeed_sdp4bit.config import parse_block
-    from deepspeed_sdp4bit.integration import SDP4BitState
     from deepspeed_sdp4bit.ops import get_backend
     from deepspeed_sdp4bit.topology import Topology, TopologyShape
 
@@ -146,29 +178,9 @@ def _refresh_layout(args, out: Path) -> int:
                 ts.append(a.elapsed_time(b))
         return ts[args.warmup:]
 
-    for gi, items in enumerate(groups):
-        M = sum(P for _, _, P in items)
-        layout, off = [], 0
-        params = []
-        for name, numel, P in items:
-            p = _Param(name, numel, P)
-            params.append(p)
-            layout.append((p, off, P))
-            off += P
-        state = types.SimpleNamespace(topology=topo, weights=wsync, level=args.replica, layout={gi: layout},
-                                      replica={})
-        if args.replica == "full":
-            for p in params:
-                state.replica[id(p)] = torch.randn(p.ds_numel, generator=gen, device=dev).to(torch.bfloat16)
-        state._node_replica_active = lambda: args.replica == "node" and nodes > 1
-
-        def ensure_secondary(p, N=nodes):
-            if p.ds_secondary_tensor is None:
-                p.ds_secondary_tensor = torch.randn(p.partition_numel() * N, generator=gen, device=dev).to(
-                    torch.bfloat16)
-            return p.ds_secondary_tensor
-        state._ensure_secondary = ensure_secondary
-        dst = SDP4BitState._dst(state, gi)
+    views_by_group = layout_views(groups, topo, wsync, args.replica,
+                                  lambda n: torch.randn(n, generator=gen, device=dev).to(torch.bfloat16))
+    for gi, (items, M, dst) in enumerate(views_by_group):
         # the rows the exchange would deliver: every source's payload, quantized from random data
         Mpad = R.padded_numel(M, gs)
         pb = R.payload_bytes(Mpad, bits)

@@ -90,6 +90,10 @@ def _ratio(r: dict, rows: Sequence[dict], config: str) -> str:
     return f"{b['ms_per_step'] / r['ms_per_step']:.2f}x" + ("" if same_run else "*")
 
 
+def _header(*cols: str) -> List[str]:
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
 def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -100,9 +104,9 @@ def throughput_table(rows: Sequence[dict]) -> str:
     best = latest(rows)
     if not best:
         return "No throughput rows yet (run `python -m benchmarks e2e ...`).\n"
-    head = ("| model | topology | mode | config | replica | default | ms/step (min-max) | tokens/s | peak mem GiB "
-            "| wire MB/step/rank | bound fraction | vs ZeRO-3 | vs ZeRO++ | machine | commit |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = _header("model", "topology", "mode", "config", "replica", "default", "ms/step (min-max)", "tokens/s",
+                    "peak mem GiB", "wire MB/step/rank", "bound fraction", "vs ZeRO-3", "vs ZeRO++", "machine",
+                    "commit")
 
     def order(k):
         model, topo, var = k
@@ -202,9 +206,8 @@ def accuracy_table(rows: Sequence[dict]) -> str:
     groups = _acc_groups(rows)
     if not groups:
         return "No accuracy rows yet (run `python -m benchmarks accuracy ...`).\n"
-    head = ("| model | ranks | schedule | steps | config | topology | seeds | train loss (last 50), mean "
-            "| min-max | vs ZeRO-3 mean | held-out | machine | commit |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    lines = _header("model", "ranks", "schedule", "steps", "config", "topology", "seeds",
+                    "train loss (last 50), mean", "min-max", "vs ZeRO-3 mean", "held-out", "machine", "commit")
     for (ranks, sched, steps, model), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
         ref = g.get("zero3")
         ref_mean = _mean([r["train_loss"] for r in ref]) if ref else None
