@@ -46,7 +46,7 @@ MODELS: Dict[str, Dict[str, int]] = {
     "tiny": {"d_model": 64, "layers": 2, "heads": 4},       # CPU runs and tests
 }
 
-# NCCL settings of a single multi-GPU host (run_matrix's transports); share-GPU mode is always sockets.
+# NCCL settings of a single multi-GPU host (e2e --transport); share-GPU mode is always sockets.
 TRANSPORTS: Dict[str, Dict[str, str]] = {
     "nvlink": {},
     "net": {"NCCL_P2P_DISABLE": "1"},
