@@ -103,7 +103,7 @@ def run(args) -> int:
                         row.update(status="skipped", reason="replica node with one rank per node is refused")
                         rows.append(row)
                         continue
-                    if deadline.left() < 60:
+                    if deadline.left() < 120:  # too little left for start-up and a run
                         row.update(status="skipped", reason="the call's --deadline was reached")
                         rows.append(row)
                         continue
