@@ -3,7 +3,7 @@
 bench_kernels.py times k = 4 (op 2) and k = 2 (op 3); the collectives see k = GPUs per node (up to 8) and k =
 nodes.  This sweeps k at a fixed input size with the same timing (CUDA graphs, input sets rotated past the L2):
 
-    python benchmarks/bench_chunk_counts.py --size-mb 512 --ks 2,4,8,9 --backends cuda,triton
+    python -m benchmarks kernels --chunk-counts --size-mb 512 --ks 2,4,8,9 --backends cuda,triton
 
 Op 2: k chunks of 8-bit g128 codes -> 4-bit g128 stochastic (as in bench_kernels.py); op 3: k chunks of 4-bit
 g128 codes -> bf16 with Hadamard 32.  The input size counts all k chunks, so each k moves the same bytes.

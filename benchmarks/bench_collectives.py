@@ -1,6 +1,7 @@
 """Collectives alone: SDP4Bit gradient reduce-scatter and weight refresh vs NCCL bf16, per bucket size.
 
-Launch one process per GPU, e.g. on 2 GPUs acting as 2 logical nodes of 1 GPU:
+Run through the suite (``python -m benchmarks collectives --topology 2x1 --out DIR``, which also shares GPUs
+with ``--ranks-per-gpu``), or launch one process per GPU, e.g. on 2 GPUs acting as 2 logical nodes of 1 GPU:
 
     torchrun --standalone --nproc_per_node 2 benchmarks/bench_collectives.py --gpus-per-node 1 \
         --sizes-mb 25 100 400 --out results.json

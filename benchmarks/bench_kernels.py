@@ -14,7 +14,7 @@ DeepSpeed's QuantizerBuilder ops run on fp16 (all they take) with their own quan
 timed on inputs of the same size next to the closest configuration of ours (``swizzle_quant`` vs op 1 with
 the same swizzle, ``quantized_reduction`` vs op 2 with 4-bit input, ``quantize`` vs op 1 without Hadamard).
 
-Usage: ``python benchmarks/bench_kernels.py --out results.json [--sizes-mb 8,32,128,512,2048]
+Usage: ``python -m benchmarks kernels --out results.json [--sizes-mb 8,32,128,512,2048]
 [--backends cuda,triton] [--no-deepspeed]``.  Prints a table, writes all numbers as JSON to ``--out``.
 
 ``--segments`` instead times op 6 (``dequant_add_segments_``) on a layout-true replica refresh (see

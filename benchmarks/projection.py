@@ -16,7 +16,7 @@ This is a model, not a measurement.  Assumptions (stated so they can be argued w
   * Kernel time: the quantize/dequantize passes over each GPU's share of values, at ``kernel_gbs`` GB/s
     of logical bytes (measured in benchmarks/results when available); added to communication, not overlapped.
 
-    python benchmarks/projection.py --params 1.3e9 --nodes 2 4 8 16 --gpus-per-node 8 --link-gbps 100
+    python -m benchmarks projection --params 1.3e9 --nodes 2 4 8 16 --gpus-per-node 8 --link-gbps 100
 
 prints per scheme: inter-node bytes per GPU per step and the projected communication time per step.
 """
@@ -51,7 +51,7 @@ def project(params, nodes, gpus_per_node, link_gbps, kernel_gbs):
     return rows
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=1.3e9)
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -60,7 +60,7 @@ def main():
     ap.add_argument("--kernel-gbs", type=float, default=0.0,
                     help="measured quantize-kernel throughput in GB/s (0 = leave kernel time out)")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = project(args.params, args.nodes, args.gpus_per_node, args.link_gbps, args.kernel_gbs)
     print(f"{'scheme':8} {'nodes':>5} {'GB/GPU/step':>12} {'comm ms':>9} {'kernel ms':>9} {'total ms':>9}")
     for r in rows:

@@ -46,7 +46,7 @@ constexpr int kWarpsPerBlock = kThreads / kWarp;
 // The wide kernels' blocks (ops 1-3 on the gradient path): 2 warps, except where a group spans warps (a block
 // then holds whole groups: kThreads).  A warp owns 1024 elements there and needs microseconds for them, so small
 // blocks give the grid a finer-grained tail: on an H200, 64-thread blocks ran ops 1-3 1-2 points of copy
-// bandwidth faster than 256-thread ones at 64-512 MiB (benchmarks/results/tiles/).
+// bandwidth faster than 256-thread ones at 64-512 MiB (benchmarks/results/tiles/ at a66b8a4).
 constexpr int kWideThreads = 64;
 constexpr int kWideWarpsPerBlock = kWideThreads / kWarp;
 constexpr unsigned kFullMask = 0xffffffffu;

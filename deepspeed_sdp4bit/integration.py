@@ -500,9 +500,44 @@ class _Replica:
 
     ALIGN = 16
 
-    def __init__(self, opt, state: "SDP4BitState"):
+    @classmethod
+    def sub_group(cls, items, M: int, topology, level: str, needed, dtype, device, new=None):
+        """One sub-group's flat buffer, each parameter's view of it and the segment plan of every kept source.
+
+        ``items``: [(param, offset in the flat partition, P)] (a param needs ``ds_numel``); ``M``: the flat
+        partition's numel; ``needed``: the source ranks this rank keeps; ``new(numel, dtype, device)`` makes
+        the buffer (default: zeros at node level, like DeepSpeed's secondary padding; empty at full level,
+        where every element is written by the first resync).  Returns ``(buf, [view per item], {source:
+        SegmentPlan})``; the views are the full data (``full``) or the hpZ secondary tensor (``node``).
+        """
         from .segments import make_segment_plan
 
+        W, N = topology.world_size, topology.num_nodes
+        pieces: Dict[int, List[Tuple[int, int, int]]] = {}   # source -> [(src offset, dst offset, length)]
+        starts, sizes, start = [], [], 0
+        for p, off, P in items:
+            size = p.ds_numel if level == "full" else N * P
+            if level == "full":
+                for s in range(W):
+                    if s * P < size:
+                        pieces.setdefault(s, []).append((off, start + s * P, min(P, size - s * P)))
+            else:
+                for j in range(N):
+                    pieces.setdefault(topology.local * N + j, []).append((off, start + j * P, P))
+            starts.append(start)
+            sizes.append(size)
+            start += -(-size // cls.ALIGN) * cls.ALIGN
+        if new is None:
+            new = lambda n, dtype, device: (torch.zeros if level == "node" else torch.empty)(  # noqa: E731
+                n, dtype=dtype, device=device)
+        buf = new(start, dtype, device)
+        views = [buf[a:a + n] for a, n in zip(starts, sizes)]
+        plans = {src: make_segment_plan([x[0] for x in segs], [x[1] for x in segs], [x[2] for x in segs], buf,
+                                        src_numel=M)
+                 for src, segs in pieces.items() if src in set(needed)}
+        return buf, views, plans
+
+    def __init__(self, opt, state: "SDP4BitState"):
         self.topology = state.topology
         self.weights = state.weights
         self.level = state.level
@@ -518,48 +553,22 @@ class _Replica:
         self.flat: List[Optional[torch.Tensor]] = []
         self.plans: List[Dict[int, Any]] = []
         self._views: Dict[int, torch.Tensor] = {}
-        W, N = self.topology.world_size, self.topology.num_nodes
+        needed = self.weights.sources_needed()
         for k, items in enumerate(self.layout):
-            M = opt.fp16_partitioned_groups_flat[k].numel()
-            # (source, offset in its flat partition, offset in flat[k], length) of every piece kept here
-            pieces: List[Tuple[int, int, int, int]] = []
-            sizes: List[int] = []
-            start = 0
-            for p, off, P in items:
-                size = p.ds_numel if self.level == "full" else N * P
-                sizes.append(size)
-                if self.level == "full":
-                    for s in range(W):
-                        if s * P < size:
-                            pieces.append((s, off, start + s * P, min(P, size - s * P)))
-                else:
-                    l = self.topology.local
-                    for j in range(N):
-                        pieces.append((l * N + j, off, start + j * P, P))
-                start += -(-size // self.ALIGN) * self.ALIGN
             if not items:
                 self.flat.append(None)
                 self.plans.append({})
                 continue
             ref = items[0][0].ds_tensor
-            # node: zeros, like DeepSpeed's own secondary padding; full: every element is written by resync
-            buf = (torch.zeros if self.level == "node" else torch.empty)(start, dtype=ref.dtype, device=ref.device)
+            buf, views, plans = self.sub_group(items, opt.fp16_partitioned_groups_flat[k].numel(), self.topology,
+                                               self.level, needed, ref.dtype, ref.device)
             self.flat.append(buf)
-            pos = 0
-            for (p, _, _), size in zip(items, sizes):
-                view = buf[pos:pos + size]
+            self.plans.append(plans)
+            for (p, _, _), view in zip(items, views):
                 if self.level == "full":
                     self._views[id(p)] = view
                 else:
                     self._set_secondary(p, view)
-                pos += -(-size // self.ALIGN) * self.ALIGN
-            by_src: Dict[int, List[Tuple[int, int, int]]] = {}
-            for src, so, do, n in pieces:
-                by_src.setdefault(src, []).append((so, do, n))
-            needed = set(self.weights.sources_needed())
-            self.plans.append({src: make_segment_plan([x[0] for x in segs], [x[1] for x in segs],
-                                                      [x[2] for x in segs], buf, src_numel=M)
-                               for src, segs in by_src.items() if src in needed})
         self._opt = weakref.ref(opt)
         if self.level == "full":
             _FULL_REPLICAS.add(self)

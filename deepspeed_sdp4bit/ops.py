@@ -160,7 +160,7 @@ def _try(name: str, device: torch.device) -> Tuple[Optional[Backend], str]:
 
 
 # ``auto`` on CUDA devices: per op, the backends in order of measured speed (nvidia-h200,
-# benchmarks/results/kernels_h200.json at 64-2048 MiB and kernels_h200_chunk_counts.txt, seventh session): CUDA
+# benchmarks/results/kernels/kernels_h200.json at 64-2048 MiB and kernels_h200_chunk_counts.txt, seventh session): CUDA
 # leads op 1 by 8 points of copy bandwidth and op 5 by 2-3; op 4 by 1-2 points at 64-128 MiB, level at 512 MiB
 # and 11 points behind at 2 GiB (kept on CUDA for its lead at the smaller sizes; the drop at 2 GiB was not looked
 # into); Triton leads op 2 by 1-10 points at 2 and 4-8 chunks, level (+-1) at 3, and op 3 by 1.5-11 points up to
@@ -177,7 +177,7 @@ AUTO_ORDER: Dict[str, Tuple[str, ...]] = {
     "dequant_add_segments_": ("cuda", "triton", "torch"),
 }
 # Ops whose order changes with the chunk count k (payloads.shape[0]): above max_k chunks, the second order.
-# Measured at k = 12, 16 and 32 (benchmarks/results/fma_sum/chunk_counts_more.txt, 512 then 64 MiB): Triton's
+# Measured at k = 12, 16 and 32 (benchmarks/results/kernels/kernels_h200_chunk_counts_more.txt, 512 then 64 MiB): Triton's
 # op 3 runs its run-time chunk loop above 8 chunks (nodes) and was 6-9 points behind CUDA at 512 MiB and 11-12 at
 # 64 MiB; Triton's op 2 (GPUs per node) was 3-4 points behind at 512 MiB and up to 12 at 64 MiB (level at k = 16).
 AUTO_ORDER_MANY_CHUNKS: Dict[str, Tuple[int, Tuple[str, ...]]] = {

@@ -28,7 +28,10 @@ has no CPU implementation.
 
 Data: by default the bytes of the Python standard library source (vocab 256), last 5% held out; ``--data
 PATH...`` trains on your files instead; ``--random-tokens`` draws uniform ids (vocab 50304) for throughput
-runs.  Batches depend only on (``--data-seed``, step, micro-batch, rank), so every config sees the same data.
+runs.  Batches depend only on (``--data-seed``, step, micro-batch, rank), so every config sees the same data;
+``--replay-ranks K`` makes each rank draw the micro-batches of K ranks in turn as gradient accumulation, so
+world size 1 with K = 4 replays a 4-rank run's data and global batch (the accuracy benchmark's ZeRO-3
+reference; tests/test_benchmarks.py checks it against a real 4-rank run).
 
 Schedule: linear warm-up over ``--warmup`` steps to ``--lr``, then cosine decay to ``--lr * --min-lr-ratio``
 at ``--steps``.  The script sets the learning rate itself; a ``"scheduler"`` block in the ds_config is
@@ -69,6 +72,7 @@ if "--one-gpu-per-rank" in sys.argv:
     os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_SIZE"] = "1"
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import resource  # noqa: E402
@@ -133,6 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     t = p.add_argument_group("training")
     t.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per micro-batch")
     t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    t.add_argument("--replay-ranks", type=int, default=1, metavar="K",
+                   help="each rank replays the micro-batches of K data-parallel ranks in order, as gradient "
+                        "accumulation (world size 1 with K=4 sees the data and global batch of a 4-rank run)")
     t.add_argument("--steps", type=int, default=500, help="optimizer steps in total")
     t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 1%% of --steps, >= 1)")
@@ -157,7 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
 
-    for name in ("d_model", "layers", "heads", "seq", "micro_batch", "grad_accum", "steps"):
+    for name in ("d_model", "layers", "heads", "seq", "micro_batch", "grad_accum", "steps", "replay_ranks"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     for name in ("eval_every", "eval_batches", "save_every"):
@@ -226,7 +233,7 @@ def build_ds_config(args: argparse.Namespace, notices: list) -> dict:
         notices.append("train_batch_size removed from the ds_config (derived from --micro-batch/--grad-accum)")
         cfg.pop("train_batch_size")
     cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
-    cfg["gradient_accumulation_steps"] = args.grad_accum
+    cfg["gradient_accumulation_steps"] = args.grad_accum * args.replay_ranks
     if "scheduler" in cfg:
         notices.append("ds_config 'scheduler' removed: train_gpt.py sets the learning rate itself")
         cfg.pop("scheduler")
@@ -329,17 +336,35 @@ class JsonLog:
 
 # ----------------------------------------------------------------------------------------------- main
 
-def evaluate(engine, sampler, n_batches: int, device) -> float:
-    """Mean held-out loss over ``n_batches`` micro-batches on every rank (all ranks see the same value)."""
+def evaluate(engine, samplers, n_batches: int, device) -> float:
+    """Mean held-out loss over ``n_batches`` micro-batches of each sampler (one per replayed rank) on every
+    rank (all ranks see the same value)."""
     engine.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     with torch.no_grad():
-        for i in range(n_batches):
-            x, y = sampler.eval_batch(i)
-            total += engine(x.to(device), y.to(device)).double()
+        for sampler in samplers:
+            for i in range(n_batches):
+                x, y = sampler.eval_batch(i)
+                total += engine(x.to(device), y.to(device)).double()
     engine.train()
     torch.distributed.all_reduce(total)
-    return total.item() / (n_batches * torch.distributed.get_world_size())
+    return total.item() / (n_batches * len(samplers) * torch.distributed.get_world_size())
+
+
+def replay_samplers(sampler, rank: int, world: int, k: int) -> list:
+    """``k`` copies of ``sampler`` acting as data-parallel ranks ``rank*k .. rank*k+k-1`` of ``world*k``.
+
+    Batches depend only on (data seed, step, micro, rank), so world size 1 with k = 4 draws exactly the
+    micro-batches that ranks 0..3 of a 4-rank run draw.
+    """
+    if k == 1:
+        return [sampler]
+    out = []
+    for j in range(k):
+        c = copy.copy(sampler)
+        c.rank, c.world_size = rank * k + j, world * k
+        out.append(c)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -407,6 +432,8 @@ def main(argv=None) -> dict:
     train_s, eval_s, data_desc = build_samplers(
         data_paths=args.data, random_tokens=args.random_tokens, vocab=args.vocab, seq_len=args.seq,
         micro_batch=args.micro_batch, seed=args.data_seed, rank=rank, world_size=world)
+    train_list = replay_samplers(train_s, rank, world, args.replay_ranks)
+    eval_list = replay_samplers(eval_s, rank, world, args.replay_ranks)
     phase("load_data")
 
     start_step = 0
@@ -419,7 +446,7 @@ def main(argv=None) -> dict:
             notices.append(f"resumed from {load_path} at step {start_step}")
         phase("load_checkpoint")
 
-    tokens_per_step = args.micro_batch * args.grad_accum * args.seq * world
+    tokens_per_step = args.micro_batch * args.grad_accum * args.replay_ranks * args.seq * world
     dense_fpt, attn_fpt = flops_per_token(mcfg)
     log = JsonLog(args.log_json, enabled=rank == 0)
     if args.resume:
@@ -434,10 +461,12 @@ def main(argv=None) -> dict:
         "backend": torch.distributed.get_backend(), "ds_config": ds_config,
         "sdp4bit_config": sdp_cfg.model_dump() if sdp_cfg.active else None,
         "sdp4bit_summary_source": summary_source, "sdp4bit_evidence": evidence,
+        "sdp4bit_replica": getattr(getattr(engine, "sdp4bit", None), "level", None),
         "peak_mem_kind": "cpu_maxrss_bytes" if ON_CPU else "cuda_max_allocated_bytes",
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                      "deepspeed_sdp4bit": getattr(deepspeed_sdp4bit, "__version__", None),
-                     "python": sys.version.split()[0]},
+                     "python": sys.version.split()[0],
+                     "nccl": (".".join(map(str, torch.cuda.nccl.version())) if not ON_CPU else None)},
         "env": {k: os.environ[k] for k in sorted(os.environ)
                 if k.startswith(("NCCL_", "DS_ACCELERATOR", "CUDA_VISIBLE", "OMP_NUM", "LOCAL_WORLD", "LOCAL_SIZE"))},
         "notices": notices, "startup_s": phases, "start_step": start_step,
@@ -453,7 +482,7 @@ def main(argv=None) -> dict:
     def run_eval(step: int, pbar=None):
         if args.eval_batches == 0:
             return None
-        loss = evaluate(engine, eval_s, args.eval_batches, device)
+        loss = evaluate(engine, eval_list, args.eval_batches, device)
         log.doc["evals"].append({"step": step, "heldout_loss": loss})
         if rank == 0:
             msg = f"step {step}: held-out loss {loss:.4f}"
@@ -477,14 +506,15 @@ def main(argv=None) -> dict:
         _sync()
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        for micro in range(args.grad_accum):
-            x, y = train_s.batch(step, micro)
-            loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-            engine.backward(loss)
-            engine.step()  # DeepSpeed only updates at the last micro-batch of the accumulation window
-            loss_sum += loss.detach().float()
+        for sampler in train_list:  # replayed ranks in order (one unless --replay-ranks)
+            for micro in range(args.grad_accum):
+                x, y = sampler.batch(step, micro)
+                loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                engine.backward(loss)
+                engine.step()  # DeepSpeed only updates at the last micro-batch of the accumulation window
+                loss_sum += loss.detach().float()
         torch.distributed.all_reduce(loss_sum)
-        mean_loss = loss_sum.item() / (args.grad_accum * world)
+        mean_loss = loss_sum.item() / (args.grad_accum * args.replay_ranks * world)
         _sync()
         dt = time.perf_counter() - t0
 

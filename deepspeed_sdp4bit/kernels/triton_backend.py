@@ -1017,13 +1017,13 @@ _NATIVE_BF16 = tl.constexpr(not _INTERPRETED)
 # release mishandle inline asm, and the A/B switch of the benchmarks.
 _PTX = tl.constexpr(not _INTERPRETED and torch.version.hip is None
                     and os.environ.get("SDP4BIT_TRITON_PTX", "1") != "0")
-# Each PTX step on its own (benchmarks/ab_triton_ptx.py switches them off one at a time):
+# Each PTX step on its own (benchmarks/ab_triton_ptx.py at a66b8a4 switches them off one at a time):
 _PTX_ROUND = _PTX  # round-down adds and code packing (ops 1, 2)
 _PTX_DECODE = _PTX  # code decoding (op 2; op 3 from _OP3_PTX_DECODE_MIN_K chunks on)
 _PTX_WIDEN = _PTX  # bf16 widening (op 1)
 # Op 3 with the PTX decoding, at 512 MiB on an H200: k = 2 chunks 69% of copy bandwidth against 82% with the plain
 # code (the SASS has fewer instructions; the cause was not found), but k = 3 83% against 78%, k = 4 81% against 74%
-# and k = 8 76% against 67% (benchmarks/results/kernels_h200_op3_ptx_*.txt).  So op 3 decodes with PTX from 3
+# and k = 8 76% against 67% (benchmarks/results/kernels_h200_op3_ptx_*.txt at a66b8a4).  So op 3 decodes with PTX from 3
 # chunks (nodes) on.
 _OP3_PTX_DECODE_MIN_K = 3
 
@@ -1068,7 +1068,7 @@ def _num_warps(tile_elems: int) -> int:
 _ROWS_MAX_B = 64
 # Rows per program on GPUs (one per thread: 2 warps), unless a group needs more.  On an H200, 64 rows ran ops 1
 # and 3 0.2-1.5 points of copy bandwidth faster than 128 and tied for op 2; 256 lost up to 7 points in op 1
-# (benchmarks/results/tiles/, where benchmarks/sweep_tiles.py varies it).
+# (benchmarks/results/tiles/ and benchmarks/sweep_tiles.py at a66b8a4).
 _GPU_ROWS = 64
 
 
@@ -1097,8 +1097,8 @@ def _rows_plan(b: int, group_size: int, nrows: int) -> Optional[Tuple[int, int, 
 # Op 2's row kernel unrolls the loop over the k received chunks (the GPUs of a node) when k is at most this: one
 # compiled kernel per k, with every chunk's loads issued before the sums; on an H200 that ran op 2 3-5 points of
 # copy bandwidth faster for k = 2..8, while op 3 (k = nodes) ran up to 2 points slower and keeps the run-time loop
-# (benchmarks/results/triton_unroll/).  False: the run-time loop for every k (an A/B switch of
-# benchmarks/ab_triton_ptx.py).
+# (benchmarks/results/triton_unroll/ at a66b8a4).  False: the run-time loop for every k (an A/B switch of
+# benchmarks/ab_triton_ptx.py at a66b8a4).
 _UNROLL_CHUNKS = True
 _MAX_UNROLLED_CHUNKS = 8
 
@@ -1108,7 +1108,7 @@ _MAX_UNROLLED_CHUNKS = 8
 # 25.7 SASS instructions per element at k = 2 (sm_90; 96 registers instead of 56), and on an H200 op 2 at k = 2
 # ran 72.7% instead of 68.1% of copy at 512 MiB (69.5 vs 66.2 at 128, 65.2 vs 64.9 at 64 MiB).  With more chunks
 # the registers run out (127 at k = 4) and rows of 64 lost: 78.3 vs 83.5% at k = 4, 82.0 vs 92.4% at k = 8
-# (benchmarks/results/triton_op2_rows/).
+# (benchmarks/results/triton_op2_rows/ at a66b8a4).
 _OP2_ROW64_MAX_K = 2
 
 
@@ -1122,11 +1122,11 @@ def _op2_row(k: int, group_size: int, out_group_size: int) -> int:
 # per tile, a launch of a few waves loads everything first and computes last; the loop overlaps the two.  On an
 # H200 at k = 4 it ran 78.5 / 82.5 / 84.5% of copy at 64 / 128 / 512 MiB instead of 74 / 78-79 / 83; at k = 2 and 3
 # it was up to 3 points slower (rows of 64 at k = 2: 128 registers) or even, so those keep one program per tile
-# (benchmarks/results/triton_op2_persist/).  k = 8 needed 255 registers until chunk sums were fused (one FMA per
+# (benchmarks/results/triton_op2_persist/ at a66b8a4).  k = 8 needed 255 registers until chunk sums were fused (one FMA per
 # chunk): now 128, and the persistent kernel ran 82.5 / 97.9% of copy at 64 / 512 MiB instead of 79.0 / 95.6,
 # while k = 3 went from 73.5 / 81.7 to 75.1 / 78.5 and stays as it was; k = 5 went from 82.2 / 96.3 to 85.8 / 97.1,
 # but k = 6 and 7 fell from 80-81 / 95-98 to 69-75 / 84-85 and keep one program per tile (benchmarks/results/
-# fma_sum/).  (Compiled for sm_90, k = 5..7 take 167-168 registers where 4 and 8 take 128: only 6 of the 8
+# fma_sum/ at a66b8a4).  (Compiled for sm_90, k = 5..7 take 167-168 registers where 4 and 8 take 128: only 6 of the 8
 # programs per SM are resident; capped at 128, 6 and 7 spill.)  Under the interpreter a few programs, so that the
 # loop runs.
 _OP2_PERSIST = True
@@ -1136,7 +1136,7 @@ _PERSIST_PROGRAMS_PER_SM = 8
 # H200 at 64 / 128 / 512 MiB it ran k = 3 at 86.8 / 87.4 / 87.8% of copy instead of 78.9 / 82.3 / 84.3, k = 4 at
 # 89.4 / 89.6 / 90.4 instead of 76.2 / 79.5 / 82.2, and k = 8 at 78.9 / 83.1 / 84.6 instead of 68.0 / 73.0 / 76.7;
 # k = 2 was level or up to a point slower and keeps one program per tile; k = 5..7 were not measured (between
-# the gains at 4 and 8).  (benchmarks/results/triton_op3_persist/)
+# the gains at 4 and 8).  (benchmarks/results/triton_op3_persist/ at a66b8a4)
 _OP3_PERSIST = True
 _OP3_PERSIST_KS = (3, 4, 5, 6, 7, 8)
 _PERSIST_PROGRAMS = 3 if _INTERPRETED else 0  # > 0: this many programs (tests set it to loop on GPUs too)

@@ -1,0 +1,162 @@
+"""``python -m benchmarks accuracy``: train loss of the GPT per config x topology x seed x schedule.
+
+Defaults are the 86M runs of issue 21: GPT d768 L12 H12 on the byte corpus of examples/data.py (the Python
+standard library source), micro-batch 8, seq 1024, AdamW lr 6e-4, 500 steps; ``--schedules constant`` (no
+warm-up, no decay) and/or ``cosine`` (linear warm-up over 5% of the steps, cosine to 0.1 x lr).  A seed sets
+both the model initialisation (``--seed``) and the data order (``--data-seed``) of train_gpt.py.
+
+``zero3:replay`` is the ZeRO-3 reference without the cost of a multi-rank run over sockets: world size 1 with
+``--replay-ranks R`` (R = the topology's ranks), i.e. gradient accumulation over the micro-batches that ranks
+0..R-1 of the real run draw, in order (same data, same global batch; tests/test_benchmarks.py checks it
+against a real ZeRO-3 run).  Its rows have ``reference: "replay"`` and the topology they stand for.
+
+Rows (merged into ``--results``, default OUT/accuracy.json): config, variant, replica, topology, ranks, seed,
+schedule, steps, train_loss (mean of the last 50 steps), heldout_loss (final evaluation), ms_per_step, commit.
+The per-step losses go to ``--steps-file`` (default OUT/accuracy_steps.json, {row_id: [loss, ...]}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import List
+
+from . import suite
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="86M", choices=sorted(suite.MODELS))
+    p.add_argument("--topologies", nargs="+", default=["2x2", "4x1"], help="NODESxGPUS")
+    p.add_argument("--configs", nargs="+", default=["zero3:replay", "sdp4bit"],
+                   help="NAME[:REPLICA] as for e2e, or zero3:replay (world-1 replay reference)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[1])
+    p.add_argument("--schedules", nargs="+", choices=("constant", "cosine"), default=["constant"])
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--ranks-per-gpu", type=int, default=1)
+    p.add_argument("--share-gpu", action="store_true", help="all ranks of each run on one GPU")
+    p.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (automatic without a GPU)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--results", default=None, help="default OUT/accuracy.json")
+    p.add_argument("--steps-file", default=None, help="default OUT/accuracy_steps.json")
+    p.add_argument("--timeout", type=float, default=3000.0, help="seconds per run")
+    p.add_argument("--deadline", type=float, default=None, help="seconds for the whole call")
+    p.add_argument("--train-arg", action="append", default=[], metavar="ARG")
+
+
+def _schedule_args(schedule: str, steps: int) -> List[str]:
+    if schedule == "constant":
+        return ["--warmup", "0", "--min-lr-ratio", "1.0"]
+    return ["--warmup", str(max(1, steps // 20)), "--min-lr-ratio", "0.1"]
+
+
+def run(args) -> int:
+    cpu = args.cpu or not suite.on_gpu()
+    specs = []
+    for c in args.configs:
+        if c == "zero3:replay":
+            specs.append((suite.Variant("zero3"), True))
+        else:
+            specs.append((suite.Variant.parse(c), False))
+    topos = [(t, suite.parse_topology(t)) for t in args.topologies]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results) if args.results else out / "accuracy.json"
+    steps_file = Path(args.steps_file) if args.steps_file else out / "accuracy_steps.json"
+    run_id = suite.new_run_id("accuracy")
+    meta = suite.run_meta("accuracy", run_id, args)
+    n_gpus = meta["machine"]["gpu_count"] if not cpu else 0
+    work = suite.work_dir(run_id)  # outside OUT: only a few files may come back from a GPU machine
+    deadline = suite.Deadline(args.deadline)
+    rows: List[dict] = []
+    doc = {"meta": meta, "rows": rows}
+    res_file = out / f"{run_id}.json"
+    shape = suite.MODELS[args.model]
+    done_replay = set()
+    for schedule in args.schedules:
+        for seed in args.seeds:
+            for topo, (nodes, gpn) in topos:
+                world = nodes * gpn
+                for v, replay in specs:
+                    if replay and (schedule, seed, world) in done_replay:
+                        continue  # the replay stands for every topology with this many ranks
+                    run_world = 1 if replay else world
+                    rpg = max(1, min(run_world if args.share_gpu else args.ranks_per_gpu, run_world))
+                    if not cpu and run_world > rpg * max(n_gpus, 1):
+                        raise SystemExit(f"accuracy: {topo} has {world} ranks but {n_gpus} GPU(s) x "
+                                         f"--ranks-per-gpu {rpg}; pass --share-gpu")
+                    share = (not cpu) and rpg > 1
+                    label = v.label + (":replay" if replay else "")
+                    name = f"{args.model}_{topo}_{label.replace(':', '-')}_s{seed}_{schedule}"
+                    row = {"row_id": f"{run_id}/{name}", "run_id": run_id, "created": meta["created"],
+                           "commit": meta["commit"], "machine": suite.device_label(meta["machine"]),
+                           "config": v.config, "variant": label, "replica_requested": v.replica,
+                           "default": v.is_default and not replay, "reference": "replay" if replay else None,
+                           "topology": f"{world}r" if replay else topo, "ranks": world,
+                           "model": args.model, "seed": seed, "schedule": schedule, "steps": args.steps,
+                           "lr": args.lr, "micro_batch": args.micro_batch, "seq": args.seq}
+                    if v.replica == "node" and gpn == 1 and nodes > 1:
+                        row.update(status="skipped", reason="replica node with one rank per node is refused")
+                        rows.append(row)
+                        continue
+                    if deadline.left() < 120:  # too little left for start-up and a run
+                        row.update(status="skipped", reason="the call's --deadline was reached")
+                        rows.append(row)
+                        continue
+                    log_json = work / f"{name}.json"
+                    targs = ["--ds-config", str(v.path()), "--log-json", str(log_json), "--no-progress",
+                             "--d-model", str(shape["d_model"]), "--layers", str(shape["layers"]),
+                             "--heads", str(shape["heads"]), "--seq", str(args.seq),
+                             "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
+                             "--lr", str(args.lr), "--seed", str(seed), "--data-seed", str(seed),
+                             "--eval-every", "0", "--eval-batches", str(args.eval_batches),
+                             "--torch-adam", "yes"] + _schedule_args(schedule, args.steps)
+                    if replay:
+                        targs += ["--replay-ranks", str(world)]
+                    else:
+                        for kv in v.ds_set(gpn, share):
+                            targs += ["--ds-set", kv]
+                    if args.model == "tiny":
+                        targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
+                    targs += list(args.train_arg)
+                    cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
+                    row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
+                    print(f"[accuracy] {name}", flush=True)
+                    rc, wall = suite.run_process(cmd, env, work / f"{name}.log",
+                                                 min(args.timeout, deadline.left() - 15))
+                    row.update(rc=rc, wall_s=round(wall, 1))
+                    losses = []
+                    if log_json.is_file():
+                        log = json.loads(log_json.read_text())
+                        steps = log.get("steps", [])
+                        final = log.get("final") or {}
+                        losses = [s["loss"] for s in steps]
+                        row["replica"] = log.get("meta", {}).get("sdp4bit_replica")
+                        if steps:
+                            tail = losses[-min(50, len(losses)):]
+                            row["train_loss"] = sum(tail) / len(tail)
+                            row["ms_per_step"] = suite.median([s["ms"] for s in steps[1:] or steps])
+                        row["heldout_loss"] = final.get("heldout_loss")
+                        row["steps_done"] = len(steps)
+                    ok = rc == 0 and row.get("steps_done") == args.steps
+                    row["status"] = "ok" if ok else ("timeout" if rc == "timeout" else "failed")
+                    if not ok:
+                        row["error_tail"] = suite.log_tail(work / f"{name}.log")
+                    if replay and ok:
+                        done_replay.add((schedule, seed, world))
+                    rows.append(row)
+                    print(f"[accuracy] {name}: {row['status']}, train loss {row.get('train_loss')}, "
+                          f"held-out {row.get('heldout_loss')}, wall {wall:.0f} s", flush=True)
+                    suite.write_json(res_file, doc)
+                    suite.merge_rows(results, [row])
+                    if losses:
+                        suite.merge_dict(steps_file, {row["row_id"]: losses})
+    suite.write_json(res_file, doc)
+    suite.merge_rows(results, rows)
+    suite.pack_logs(work, out / f"{run_id}_logs.tar.gz")
+    print(f"[accuracy] results: {res_file}; rows merged into {results}, losses into {steps_file}", flush=True)
+    return 0 if all(r.get("status") in ("ok", "skipped") for r in rows) else 1

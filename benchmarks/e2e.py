@@ -1,0 +1,265 @@
+"""``python -m benchmarks e2e``: step time of the GPT under ZeRO-3, ZeRO++, SDP4Bit and its ablations.
+
+One ``examples/train_gpt.py`` process group per (model, topology, config), on random tokens (vocab 50304), with
+``--warmup`` untimed steps then ``--timed`` timed ones (``--timed-slow`` for the configs of ``--slow``, which
+take seconds per step over sockets).  Per config one row (see ``row_fields`` in the README of the results
+folder): ms/step = median of the timed steps (min and max beside it), tokens/s, peak memory (max over ranks),
+bytes on the wire per step per level, and the no-communication bound: the world-1 ZeRO-3 step time of the same
+model x the ranks sharing one device, with ``bound_fraction`` = bound / ms_per_step.  The world-1 time comes
+from a ``1x1`` zero3 row of this run, else the newest one of the results file (same GPU name).
+
+Bytes on the wire (per rank per step): SDP4Bit's own collectives as counted by ``engine.sdp4bit_summary()``;
+DeepSpeed's traffic by formula over the parameter count P and world W (persistent small parameters, padding and
+ZeRO++ scales ignored): ZeRO-3 bf16 all-gather in forward and in backward, 2 x 2P(W-1)/W, and reduce-scatter
+2P(W-1)/W; ZeRO++ (hpZ 1) int8 gathers 2 x P(W-1)/W and 4-bit qgZ P(W-1)/(2W); SDP4Bit replica node: bf16
+gathers inside the node 2 x 2P(g-1)/g; replica full: none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from . import suite
+
+SLOW_DEFAULT = ["zero3", "zeropp", "tlq_hs"]
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", default=["406M"], choices=sorted(suite.MODELS))
+    p.add_argument("--topologies", nargs="+", default=["1x1"], help="NODESxGPUS, e.g. 1x1 2x2 4x1 2x4 8x1")
+    p.add_argument("--configs", nargs="+", default=["zero3", "sdp4bit"],
+                   help="NAME[:REPLICA]: a configs/ name (zero3 zeropp sdp4bit qwd tlq_hs ...) and optionally "
+                        "node/full for sdp4bit.weights.replica; 'sdp4bit' alone = the shipped default")
+    p.add_argument("--ranks-per-gpu", type=int, default=1,
+                   help="ranks sharing one GPU, each its own NCCL host (sockets); e.g. 4 for 4 ranks on one GPU")
+    p.add_argument("--share-gpu", action="store_true", help="all ranks of each run on one GPU (= --ranks-per-gpu "
+                                                            "equal to the run's world size)")
+    p.add_argument("--transport", choices=sorted(suite.TRANSPORTS), default="nvlink",
+                   help="NCCL setting on a multi-GPU host without sharing (share-GPU mode is always sockets)")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--timed", type=int, default=4, help="timed steps (>= 2)")
+    p.add_argument("--timed-slow", type=int, default=2, help="timed steps of the --slow configs (>= 2)")
+    p.add_argument("--warmup-slow", type=int, default=None, help="untimed steps of the --slow configs "
+                                                                 "(default: --warmup)")
+    p.add_argument("--slow", nargs="*", default=SLOW_DEFAULT, help="config names that get --timed-slow")
+    p.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (automatic without a GPU)")
+    p.add_argument("--out", required=True, help="folder for this run's results file and logs")
+    p.add_argument("--results", default=None, help="JSON list the rows are merged into (default OUT/throughput.json)")
+    p.add_argument("--bound-from", nargs="*", default=[str(suite.ONE_GPU / "throughput.json")],
+                   help="more row files to take the world-1 step time from")
+    p.add_argument("--timeout", type=float, default=420.0, help="seconds per config before it is killed")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds for the whole call: configs that would start too late are recorded as skipped")
+    p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for train_gpt.py (repeat; e.g. --train-arg=--zero-init)")
+
+
+def _wire_bytes(variant: suite.Variant, n_params: int, world: int, gpn: int, last: Optional[dict]) -> Dict[str, int]:
+    """Bytes this rank puts on the wire per step, per level (see the module docstring)."""
+    P, W = n_params, world
+    cfg = variant.load()
+    out: Dict[str, float] = {}
+    if W == 1:
+        return {}
+    ring = (W - 1) / W
+    sdp = cfg.get("sdp4bit") or {}
+    zo = cfg.get("zero_optimization") or {}
+    active = bool(sdp) and sdp.get("enabled", True)
+    w_on = active and (sdp.get("weights") or {}).get("enabled", True)
+    g_on = active and (sdp.get("gradients") or {}).get("enabled", True)
+    if last:
+        for coll in ("gradients", "weights"):
+            for level, b in ((last.get(coll) or {}).get("bytes_by_level") or {}).items():
+                out[f"sdp4bit_{coll}_{level}"] = b
+    if zo.get("zero_quantized_weights"):
+        out["zeropp_int8_allgather_world"] = 2 * P * ring
+    elif w_on:
+        replica = last.get("replica") if last else None
+        replica = replica or variant.replica or (sdp.get("weights") or {}).get("replica")
+        if replica == "node" and gpn > 1 and W // gpn > 1:
+            out["ds_bf16_allgather_intra"] = 2 * 2 * P * (gpn - 1) / gpn
+    else:
+        out["ds_bf16_allgather_world"] = 2 * 2 * P * ring
+    if zo.get("zero_quantized_gradients"):
+        out["zeropp_4bit_reduce_world"] = 0.5 * P * ring
+    elif not g_on:
+        out["ds_bf16_reduce_scatter_world"] = 2 * P * ring
+    return {k: int(v) for k, v in out.items()}
+
+
+def _find_bound(model: str, gpu: Optional[str], rows: List[dict]) -> Optional[dict]:
+    """The newest ok 1x1 zero3 row of ``model`` on the same GPU name among ``rows``."""
+    cands = [r for r in rows if r.get("config") == "zero3" and r.get("topology") == "1x1"
+             and r.get("model") == model and r.get("status") == "ok" and r.get("gpu") == gpu
+             and r.get("ms_per_step")]
+    return max(cands, key=lambda r: r.get("created", "")) if cands else None
+
+
+def run(args) -> int:
+    cpu = args.cpu or not suite.on_gpu()
+    if args.timed < 2 or args.timed_slow < 2:
+        raise SystemExit("e2e: --timed and --timed-slow must be >= 2 (ms/step is a median of repetitions)")
+    if args.warmup < 1 or (args.warmup_slow is not None and args.warmup_slow < 1):
+        raise SystemExit("e2e: --warmup and --warmup-slow must be >= 1 (the first step includes one-time work)")
+    variants = [suite.Variant.parse(c) for c in args.configs]
+    topos = sorted({t: suite.parse_topology(t) for t in args.topologies}.items(),
+                   key=lambda kv: (kv[1][0] * kv[1][1], kv[0]))  # 1x1 first: it gives the bound
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = Path(args.results) if args.results else out / "throughput.json"
+    run_id = suite.new_run_id("e2e")
+    meta = suite.run_meta("e2e", run_id, args)
+    gpu = meta["machine"]["gpu_name"] if not cpu else None
+    n_gpus = meta["machine"]["gpu_count"] if not cpu else 0
+    work = suite.work_dir(run_id)  # outside OUT: only a few files may come back from a GPU machine
+    deadline = suite.Deadline(args.deadline)
+    rows: List[dict] = []
+    independent: Dict[tuple, dict] = {}
+    doc = {"meta": meta, "rows": rows}
+    res_file = out / f"{run_id}.json"
+
+    def bound_rows() -> List[dict]:
+        found = list(rows)
+        for f in [results] + [Path(x) for x in args.bound_from]:
+            try:
+                found += suite.load_rows(f)
+            except (OSError, ValueError, json.JSONDecodeError):
+                pass
+        return found
+
+    for model in args.models:
+        shape = suite.MODELS[model]
+        for topo, (nodes, gpn) in topos:
+            world = nodes * gpn
+            rpg = world if args.share_gpu else args.ranks_per_gpu
+            rpg = max(1, min(rpg, world))
+            if not cpu and world > rpg * max(n_gpus, 1):
+                raise SystemExit(f"e2e: topology {topo} has {world} ranks but {n_gpus} GPU(s) x "
+                                 f"--ranks-per-gpu {rpg}; pass --ranks-per-gpu {world} (or --share-gpu)")
+            share = (not cpu) and rpg > 1
+            for v in variants:
+                slow = v.config in args.slow
+                warmup = args.warmup_slow if slow and args.warmup_slow is not None else args.warmup
+                steps = warmup + (args.timed_slow if slow else args.timed)
+                name = f"{model}_{topo}_{v.label.replace(':', '-')}"
+                row = {"row_id": f"{run_id}/{name}", "run_id": run_id, "created": meta["created"],
+                       "commit": meta["commit"], "gpu": gpu, "machine": suite.device_label(meta["machine"]),
+                       "config": v.config, "variant": v.label, "replica_requested": v.replica,
+                       "default": v.is_default, "topology": topo, "nodes": nodes, "gpus_per_node": gpn,
+                       "ranks": world, "ranks_per_device": world if cpu else rpg, "model": model,
+                       "micro_batch": args.micro_batch, "seq": args.seq, "warmup_steps": warmup,
+                       "mode": ("cpu gloo" if cpu else ("share-GPU sockets" if share else
+                                                        f"{n_gpus} GPUs, {args.transport}")) if world > 1
+                       else ("cpu" if cpu else "1 GPU")}
+                if v.replica == "node" and gpn == 1 and nodes > 1:
+                    row.update(status="skipped", reason="replica node with one rank per node is the full "
+                                                        "replica; the integration refuses it")
+                    rows.append(row)
+                    continue
+                if deadline.left() < 90:  # too little left for start-up and two timed steps
+                    row.update(status="skipped", reason="the call's --deadline was reached")
+                    rows.append(row)
+                    suite.write_json(res_file, doc)
+                    suite.merge_rows(results, [row])
+                    continue
+                ds_set = v.ds_set(gpn, share)
+                one_gpu_flag = not cpu and not share and gpn == 1 and world > 1
+                # Nothing of this run depends on the node layout (no sdp4bit block, no hpZ size, no per-rank
+                # GPU split): ZeRO-3 and ZeRO++ in share-GPU mode.  Such a run is measured once per call and
+                # model and rank count, and its row stands for every topology with those ranks.
+                row["topology_independent"] = (not one_gpu_flag
+                                               and all(v.ds_set(g, share) == ds_set for g in (1, 2, 3)))
+                ikey = (model, v.label, world, rpg)
+                if row["topology_independent"] and ikey in independent:
+                    src = independent[ikey]
+                    keep = {k: row[k] for k in ("row_id", "topology", "nodes", "gpus_per_node")}
+                    row.update({k: val for k, val in src.items() if k not in keep})
+                    row.update(keep, reused_from=src["row_id"])
+                    rows.append(row)
+                    print(f"[e2e] {name}: the run of {src['topology']} (same command), "
+                          f"{row.get('ms_per_step') or 0:.1f} ms/step", flush=True)
+                    suite.write_json(res_file, doc)
+                    suite.merge_rows(results, [row])
+                    continue
+                log_json = work / f"{name}.json"
+                targs = ["--ds-config", str(v.path()), "--log-json", str(log_json), "--no-progress",
+                         "--d-model", str(shape["d_model"]), "--layers", str(shape["layers"]),
+                         "--heads", str(shape["heads"]), "--seq", str(args.seq),
+                         "--micro-batch", str(args.micro_batch), "--steps", str(steps), "--random-tokens",
+                         "--eval-every", "0", "--eval-batches", "0", "--torch-adam", "yes",
+                         "--log-flush", "1"]  # a config killed at its timeout keeps the steps it timed
+                for kv in ds_set:
+                    targs += ["--ds-set", kv]
+                if model == "tiny":  # every parameter of d64 is below ZeRO-3's persistence threshold
+                    targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
+                if one_gpu_flag:
+                    targs.append("--one-gpu-per-rank")
+                targs += list(args.train_arg)
+                cmd, env = suite.launch_command(suite.TRAIN, targs, world, rpg, cpu)
+                if not cpu and not share:
+                    env.update(suite.TRANSPORTS[args.transport])
+                row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
+                timeout = min(args.timeout, deadline.left() - 15)
+                print(f"[e2e] {name}: {steps} steps, timeout {timeout:.0f} s", flush=True)
+                rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
+                row.update(rc=rc, wall_s=round(wall, 1))
+                row.update(_summarize(log_json, warmup, v, world, gpn))
+                if rc != 0 or row.get("status") != "ok":
+                    row["status"] = "failed" if rc != "timeout" else "timeout"
+                    row["error_tail"] = suite.log_tail(work / f"{name}.log")
+                rows.append(row)
+                if row["topology_independent"]:
+                    independent[ikey] = row
+                if row.get("ms_per_step"):
+                    b = _find_bound(model, gpu, bound_rows())
+                    if b is not None:
+                        row["bound_ms"] = b["ms_per_step"] * row["ranks_per_device"]
+                        row["bound_fraction"] = row["bound_ms"] / row["ms_per_step"]
+                        row["bound_source"] = b["row_id"]
+                msg = (f"{row['ms_per_step']:.1f} ms/step (min {row['ms_min']:.1f}, max {row['ms_max']:.1f})"
+                       if row.get("ms_per_step") else f"{row['status']} (rc {rc})")
+                print(f"[e2e] {name}: {msg}, wall {wall:.0f} s", flush=True)
+                suite.write_json(res_file, doc)
+                suite.merge_rows(results, [r for r in rows if r["row_id"] == row["row_id"]])
+    suite.write_json(res_file, doc)
+    suite.merge_rows(results, rows)
+    suite.pack_logs(work, out / f"{run_id}_logs.tar.gz")
+    print(f"[e2e] results: {res_file}; rows merged into {results}", flush=True)
+    return 0 if all(r.get("status") in ("ok", "skipped") for r in rows) else 1
+
+
+def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: int) -> dict:
+    """Numbers of one train_gpt.py log (see the module docstring)."""
+    if not log_json.is_file():
+        return {"status": "failed"}
+    doc = json.loads(log_json.read_text())
+    meta, steps, final = doc.get("meta", {}), doc.get("steps", []), doc.get("final") or {}
+    timed = steps[warmup:]
+    out: dict = {"n_params": meta.get("n_params"), "steps_done": len(steps),
+                 "versions": meta.get("versions"), "env": meta.get("env"),
+                 "replica": meta.get("sdp4bit_replica"), "steps_ms": [round(r["ms"], 2) for r in steps]}
+    if final.get("error"):
+        out["error"] = final["error"]
+    if len(timed) < 2:
+        out["status"] = "failed"
+        return out
+    ms = [r["ms"] for r in timed]
+    med = suite.median(ms)
+    out.update(status="ok" if final and not final.get("error") else "failed", timed_steps=len(ms),
+               ms_per_step=med, ms_min=min(ms), ms_max=max(ms),
+               tokens_per_s=meta["tokens_per_step"] / (med / 1e3),
+               peak_mem_bytes=final.get("peak_mem_bytes_max_over_ranks",
+                                        max(r.get("peak_mem_bytes", 0) for r in steps)),
+               peak_mem_kind=meta.get("peak_mem_kind"), loss_last=steps[-1]["loss"])
+    last = steps[-1].get("sdp4bit")
+    if last is not None:
+        last = dict(last, replica=out["replica"])
+    out["wire_bytes_per_step"] = _wire_bytes(v, meta["n_params"], world, gpn, last)
+    out["wire_bytes_total"] = sum(out["wire_bytes_per_step"].values())
+    out["wire_bytes_source"] = "sdp4bit_* levels: engine.sdp4bit_summary() of the last step; others: formula"
+    return out

@@ -1,0 +1,371 @@
+"""``python -m benchmarks report``: markdown tables, PNG plots and the README headline from the results files.
+
+Nothing here is typed by hand: every number comes from the rows of ``throughput.json`` / ``accuracy.json``
+(and the per-step losses of ``accuracy_steps.json``) in ``--dir`` (default benchmarks/results/one_gpu).
+Writes there ``throughput.md``, ``throughput.png``, ``accuracy.md``, ``accuracy.png``, and rewrites the part
+of README.md between ``<!-- suite:headline:begin -->`` and ``<!-- suite:headline:end -->`` (``--no-readme``:
+leave it).  Cells without a measurement say "not measured".
+
+Speed-ups compare configs inside one run (same ``run_id``) where the run has the baseline; otherwise the
+newest baseline row of the same model, topology and machine is used and the cell is marked with ``*``.
+
+``python -m benchmarks merge FILES...``: results files brought back from a GPU machine (``<run_id>.json``:
+copied to DIR/runs/ and their rows merged into DIR/throughput.json or DIR/accuracy.json; row lists are merged
+the same way; ``accuracy_steps.json`` files are merged into DIR/accuracy_steps.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from . import suite
+
+README = suite.REPO / "README.md"
+BEGIN, END = "<!-- suite:headline:begin -->", "<!-- suite:headline:end -->"
+# what the headline covers (issue 19): models x topologies
+HEADLINE_CELLS = [("406M", "1x1"), ("406M", "2x2"), ("406M", "4x1"), ("406M", "2x4"), ("406M", "8x1"),
+                  ("1.3B", "1x1"), ("1.3B", "2x2"), ("1.3B", "4x1")]
+ORDER = ["zero3", "zeropp", "sdp4bit", "sdp4bit:node", "sdp4bit:full", "qwd", "qwd:node", "qwd:full",
+         "tlq_hs", "tlq", "ulq", "qw"]
+NM = "not measured"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", default=str(suite.ONE_GPU), help="folder with throughput.json / accuracy.json")
+    p.add_argument("--no-readme", action="store_true", help="do not rewrite README.md's headline")
+    p.add_argument("--no-png", action="store_true", help="tables only (no matplotlib needed)")
+    p.add_argument("--smooth", type=int, default=25, help="moving-average window (steps) of the loss plot")
+
+
+def add_merge_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("files", nargs="+", help="results files, row lists or accuracy_steps.json files")
+    p.add_argument("--dir", default=str(suite.ONE_GPU), help="the committed results folder")
+
+
+# ------------------------------------------------------------------------------------------- selection
+
+def _ok(rows: Sequence[dict]) -> List[dict]:
+    return [r for r in rows if r.get("status") == "ok" and r.get("ms_per_step")]
+
+
+def _key(r: dict) -> Tuple[str, str, str]:
+    return r.get("model"), r.get("topology"), r.get("variant")
+
+
+def latest(rows: Sequence[dict]) -> Dict[Tuple[str, str, str], dict]:
+    """The newest ok row per (model, topology, variant)."""
+    out: Dict[Tuple[str, str, str], dict] = {}
+    for r in _ok(rows):
+        k = _key(r)
+        if k not in out or r.get("created", "") > out[k].get("created", ""):
+            out[k] = r
+    return out
+
+
+def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict], bool]:
+    """The ``config`` row to compare ``r`` with: same run if it has one (True), else the newest same-machine one.
+
+    A row marked ``topology_independent`` (its command does not depend on the node layout: ZeRO-3 and ZeRO++ in
+    share-GPU mode) stands for every topology with the same number of ranks.
+    """
+    same = [b for b in _ok(rows) if b.get("config") == config and b.get("variant") == config
+            and b.get("model") == r.get("model") and (b.get("topology") == r.get("topology") or (
+                b.get("topology_independent") and b.get("ranks") == r.get("ranks")))]
+    in_run = [b for b in same if b.get("run_id") == r.get("run_id")]
+    if in_run:
+        return in_run[-1], True
+    other = [b for b in same if b.get("machine") == r.get("machine") and b.get("mode") == r.get("mode")]
+    return (max(other, key=lambda b: b.get("created", "")), False) if other else (None, False)
+
+
+def _ratio(r: dict, rows: Sequence[dict], config: str) -> str:
+    b, same_run = baseline(r, rows, config)
+    if b is None:
+        return NM
+    return f"{b['ms_per_step'] / r['ms_per_step']:.2f}x" + ("" if same_run else "*")
+
+
+def _header(*cols: str) -> List[str]:
+    return ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+# ------------------------------------------------------------------------------------------- throughput
+
+def throughput_table(rows: Sequence[dict]) -> str:
+    best = latest(rows)
+    if not best:
+        return "No throughput rows yet (run `python -m benchmarks e2e ...`).\n"
+    lines = _header("model", "topology", "mode", "config", "replica", "default", "ms/step (min-max)", "tokens/s",
+                    "peak mem GiB", "wire MB/step/rank", "bound fraction", "vs ZeRO-3", "vs ZeRO++", "machine",
+                    "commit")
+
+    def order(k):
+        model, topo, var = k
+        n, g = suite.parse_topology(topo)
+        return (model, n * g, topo, ORDER.index(var) if var in ORDER else len(ORDER), var)
+
+    for k in sorted(best, key=order):
+        r = best[k]
+        wire = r.get("wire_bytes_total")
+        lines.append("| " + " | ".join([
+            str(r["model"]), str(r["topology"]), str(r.get("mode")), str(r["variant"]),
+            str(r.get("replica") or "-"), "yes" if r.get("default") else "",
+            f"{r['ms_per_step']:.1f} ({r['ms_min']:.0f}-{r['ms_max']:.0f})",
+            _fmt(r.get("tokens_per_s"), ",.0f"),
+            _fmt(r["peak_mem_bytes"] / 2 ** 30 if r.get("peak_mem_bytes") else None, ".1f"),
+            _fmt(wire / 1e6 if wire is not None else None, ",.0f"),
+            _fmt(r.get("bound_fraction"), ".2f"),
+            _ratio(r, rows, "zero3"), _ratio(r, rows, "zeropp"), str(r.get("machine")),
+            str(r.get("commit"))]) + " |")
+    failed = [r for r in rows if r.get("status") not in ("ok",)]
+    note = ("\nms/step: median of the timed steps of one run (after the warm-up steps), min-max beside it. "
+            "bound fraction: the world-1 ZeRO-3 step of the same model x the ranks sharing one device, divided by "
+            "this step time. vs ZeRO-3 / ZeRO++: their ms/step / this ms/step inside the same run (`*`: from "
+            "another run on the same machine and mode). wire: bytes one rank sends per step (SDP4Bit's from "
+            "`engine.sdp4bit_summary()`, DeepSpeed's by formula, see benchmarks/e2e.py).\n")
+    if failed:
+        note += "\nRuns that did not finish: " + "; ".join(
+            f"{r.get('model')} {r.get('topology')} {r.get('variant')}: {r.get('status')}"
+            + (f" ({r.get('reason')})" if r.get("reason") else "") for r in failed) + ".\n"
+    return "\n".join(lines) + "\n" + note
+
+
+def throughput_png(rows: Sequence[dict], png: Path) -> bool:
+    best = latest(rows)
+    cells = sorted({(m, t) for m, t, _ in best if t != "1x1"})
+    if not cells:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = [v for v in ORDER if any(k[2] == v for k in best)] + sorted({k[2] for k in best} - set(ORDER))
+    variants = [v for v in variants if v != "zero3"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(cells)), 4.5))
+    width = 0.8 / max(1, len(variants))
+    for i, v in enumerate(variants):
+        xs, ys = [], []
+        for j, (m, t) in enumerate(cells):
+            r = best.get((m, t, v))
+            b = baseline(r, rows, "zero3")[0] if r else None
+            if r and b:
+                xs.append(j + (i - (len(variants) - 1) / 2) * width)
+                ys.append(b["ms_per_step"] / r["ms_per_step"])
+        ax.bar(xs, ys, width, label=v)
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([f"{m}\n{t}" for m, t in cells])
+    ax.set_ylabel("speed-up vs ZeRO-3 (step time ratio)")
+    machines = sorted({str(best[k].get("machine")) for k in best})
+    modes = sorted({str(best[k].get("mode")) for k in best if k[1] != "1x1"})
+    ax.set_title(f"{', '.join(machines)}; {', '.join(modes)}", fontsize=9)
+    ax.legend(fontsize=8, ncol=2)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------- accuracy
+
+def _acc_groups(rows: Sequence[dict]):
+    """ok accuracy rows grouped as {(ranks, schedule, steps): {variant@topology: [rows]}} plus ZeRO-3 refs."""
+    groups: Dict[tuple, Dict[str, List[dict]]] = {}
+    for r in rows:
+        if r.get("status") != "ok" or r.get("train_loss") is None:
+            continue
+        g = groups.setdefault((r["ranks"], r["schedule"], r["steps"], r.get("model")), {})
+        name = "zero3" if r["config"] == "zero3" and r.get("variant") in ("zero3", "zero3:replay") \
+            else f"{r['variant']} {r['topology']}"
+        g.setdefault(name, []).append(r)
+    for g in groups.values():
+        for name, rs in g.items():
+            # one row per seed (the newest; for ZeRO-3 a real run before a replay of the same seed)
+            by_seed: Dict[int, dict] = {}
+            for r in sorted(rs, key=lambda r: (r.get("reference") is None, r.get("created", ""))):
+                by_seed[r["seed"]] = r
+            g[name] = [by_seed[s] for s in sorted(by_seed)]
+    return groups
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def accuracy_table(rows: Sequence[dict]) -> str:
+    groups = _acc_groups(rows)
+    if not groups:
+        return "No accuracy rows yet (run `python -m benchmarks accuracy ...`).\n"
+    lines = _header("model", "ranks", "schedule", "steps", "config", "topology", "seeds",
+                    "train loss (last 50), mean", "min-max", "vs ZeRO-3 mean", "held-out", "machine", "commit")
+    for (ranks, sched, steps, model), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        ref = g.get("zero3")
+        ref_mean = _mean([r["train_loss"] for r in ref]) if ref else None
+        for name in sorted(g, key=lambda n: (n != "zero3", n)):
+            rs = g[name]
+            tl = [r["train_loss"] for r in rs]
+            m = _mean(tl)
+            diff = f"{100 * (m / ref_mean - 1):+.2f}%" if ref_mean and name != "zero3" else ("-" if name == "zero3"
+                                                                                            else NM)
+            ho = [r["heldout_loss"] for r in rs if r.get("heldout_loss") is not None]
+            topo = "any (" + ", ".join(sorted({r["topology"] for r in rs})) + ")" if name == "zero3" else rs[0]["topology"]
+            lines.append("| " + " | ".join([
+                str(model), str(ranks), sched, str(steps), rs[0]["variant"] if name != "zero3" else "zero3", topo,
+                ",".join(str(r["seed"]) for r in rs), f"{m:.4f}", f"{min(tl):.4f}-{max(tl):.4f}", diff,
+                f"{_mean(ho):.4f}" if ho else "-", rs[0].get("machine", "-"),
+                ",".join(sorted({str(r.get('commit')) for r in rs}))]) + " |")
+    return ("\n".join(lines) + "\n\nZeRO-3 rows pool real runs and world-1 replays (`zero3:replay`) of the same "
+            "ranks and seeds. vs ZeRO-3: mean train loss over seeds relative to ZeRO-3's mean; min-max: the "
+            "spread over seeds (ZeRO-3's is the noise band).\n")
+
+
+def _smooth(xs: Sequence[float], w: int) -> List[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(xs):
+        acc += v
+        if i >= w:
+            acc -= xs[i - w]
+        out.append(acc / min(i + 1, w))
+    return out
+
+
+def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path, smooth: int) -> bool:
+    groups = {k: g for k, g in _acc_groups(rows).items() if "zero3" in g}
+    if not groups:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.5), squeeze=False)
+    for ax, ((ranks, sched, steps, model), g) in zip(axes[0], sorted(groups.items(), key=lambda kv: str(kv[0]))):
+        ref_curves = [_smooth(losses[r["row_id"]], smooth) for r in g["zero3"] if r["row_id"] in losses]
+        if not ref_curves:
+            continue
+        n = min(len(c) for c in ref_curves)
+        ref = [_mean([c[i] for c in ref_curves]) for i in range(n)]
+        xs = list(range(1, n + 1))
+        if len(ref_curves) > 1:
+            lo = [100 * (min(c[i] for c in ref_curves) / ref[i] - 1) for i in range(n)]
+            hi = [100 * (max(c[i] for c in ref_curves) / ref[i] - 1) for i in range(n)]
+            ax.fill_between(xs, lo, hi, color="0.8", label=f"ZeRO-3 seeds ({len(ref_curves)})")
+        ax.axhline(0.0, color="k", linewidth=0.8)
+        for name in sorted(n_ for n_ in g if n_ != "zero3"):
+            curves = [_smooth(losses[r["row_id"]], smooth) for r in g[name] if r["row_id"] in losses]
+            if not curves:
+                continue
+            m = min(n, min(len(c) for c in curves))
+            ax.plot(xs[:m], [100 * (_mean([c[i] for c in curves]) / ref[i] - 1) for i in range(m)],
+                    label=f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})", linewidth=1.2)
+        ax.set_title(f"{model}, {ranks} ranks, {sched} lr", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"train loss vs ZeRO-3 mean, % (moving average {smooth})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------- headline
+
+def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
+    """The README table: the default SDP4Bit config per model x topology against ZeRO-3 and ZeRO++."""
+    best = latest(tp_rows)
+    loss = {}
+    for (ranks, sched, steps, model), g in _acc_groups(acc_rows).items():
+        ref = g.get("zero3")
+        for name, rs in g.items():
+            if not ref or not rs[0].get("default"):
+                continue
+            d = 100 * (_mean([r["train_loss"] for r in rs]) / _mean([r["train_loss"] for r in ref]) - 1)
+            loss.setdefault(rs[0]["topology"], []).append(
+                f"{d:+.2f}% ({model}, {steps} steps, {sched} lr, {len(rs)} seed{'s' if len(rs) > 1 else ''})")
+    lines = ["| model | topology | SDP4Bit default ms/step | vs ZeRO-3 | vs ZeRO++ | share of the no-communication "
+             "bound | train loss vs ZeRO-3 | machine, mode |", "|---|---|---|---|---|---|---|---|"]
+    for model, topo in HEADLINE_CELLS:
+        r = best.get((model, topo, "sdp4bit"))
+        if r is None:
+            cells = [NM, NM, NM, NM]
+            where = "-"
+        else:
+            cells = [f"{r['ms_per_step']:.0f}", _ratio(r, tp_rows, "zero3"), _ratio(r, tp_rows, "zeropp"),
+                     _fmt(r.get("bound_fraction"), ".0%", NM)]
+            where = f"{r.get('machine')}, {r.get('mode')} ({r.get('commit')})"
+        lines.append(f"| {model} | {topo} | " + " | ".join(cells) + f" | {'; '.join(loss.get(topo, [NM]))} | {where} |")
+    return ("Generated by `python -m benchmarks report` from `benchmarks/results/one_gpu/` (do not edit by hand). "
+            "Several ranks share one GPU, each its own NCCL host, so all traffic goes over sockets (an extreme "
+            "slow network); topologies are NODESxGPUS of logical nodes. Ratios compare step times inside one run "
+            "(`*`: across runs).\n\n" + "\n".join(lines) + "\n")
+
+
+def replace_between(text: str, body: str) -> str:
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} markers")
+    a, rest = text.split(BEGIN, 1)
+    _, b = rest.split(END, 1)
+    return f"{a}{BEGIN}\n{body}{END}{b}"
+
+
+def run(args) -> int:
+    d = Path(args.dir)
+    tp = suite.load_rows(d / "throughput.json")
+    acc = suite.load_rows(d / "accuracy.json")
+    steps_path = d / "accuracy_steps.json"
+    losses = json.loads(steps_path.read_text()) if steps_path.is_file() else {}
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "throughput.md").write_text(throughput_table(tp))
+    (d / "accuracy.md").write_text(accuracy_table(acc))
+    written = ["throughput.md", "accuracy.md"]
+    if not args.no_png:
+        if throughput_png(tp, d / "throughput.png"):
+            written.append("throughput.png")
+        if accuracy_png(acc, losses, d / "accuracy.png", args.smooth):
+            written.append("accuracy.png")
+    if not args.no_readme:
+        README.write_text(replace_between(README.read_text(), headline(tp, acc)))
+        written.append(str(README))
+    print("report: wrote " + ", ".join(written) + f" (in {d})")
+    return 0
+
+
+def run_merge(args) -> int:
+    d = Path(args.dir)
+    for f in args.files:
+        f = Path(f)
+        if f.suffix != ".json":
+            print(f"merge: {f}: not JSON, skipped (log archives stay out of the repository)")
+            continue
+        doc = json.loads(f.read_text())
+        if isinstance(doc, dict) and "meta" in doc and "rows" in doc:
+            q = doc["meta"].get("question")
+            (d / "runs").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, d / "runs" / f"{doc['meta']['run_id']}.json")
+            rows = doc["rows"]
+        elif isinstance(doc, list):
+            rows = doc
+            q = "accuracy" if rows and str(rows[0].get("run_id", "")).startswith("accuracy") else "e2e"
+        elif isinstance(doc, dict):
+            suite.merge_dict(d / "accuracy_steps.json", doc)
+            print(f"merge: {f}: {len(doc)} loss curves -> accuracy_steps.json")
+            continue
+        else:
+            raise SystemExit(f"merge: {f} is neither a results file, a row list nor a loss-curve file")
+        targets = {"e2e": "throughput.json", "accuracy": "accuracy.json"}
+        if q not in targets:
+            print(f"merge: {f}: a {q} results file, kept in {d / 'runs'}")
+            continue
+        suite.merge_rows(d / targets[q], rows)
+        print(f"merge: {f}: {len(rows)} rows -> {d / targets[q]}")
+    return 0

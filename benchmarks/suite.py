@@ -1,0 +1,350 @@
+"""What every question of the suite shares: models, configs, topologies, launching, machine facts, results files.
+
+Results files
+-------------
+Each run of a question writes one file ``<out>/<question>_<run_id>.json``::
+
+    {"meta": {"question", "run_id", "commit", "command", "created", "machine": {...}, "versions": {...},
+              "args": {...}},
+     "rows": [...]}
+
+and merges its rows into a cumulative JSON list (``--results``, e.g. ``<out>/throughput.json``) after every
+config, so a config that fails or hangs loses nothing of the others.  Rows carry ``run_id``; merging replaces a
+row with the same ``row_id`` and keeps all others (several runs of one config stay side by side: the report
+compares configs inside one run).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+TRAIN = REPO / "examples" / "train_gpt.py"
+SHARE_GPU = Path(__file__).resolve().parent / "share_gpu.py"
+CONFIG_DIR = REPO / "configs"
+RESULTS = REPO / "benchmarks" / "results"
+ONE_GPU = RESULTS / "one_gpu"
+
+# GPT shapes of the suite (examples/gpt.py); vocab 50304 with random tokens, 256 with the byte corpus.
+MODELS: Dict[str, Dict[str, int]] = {
+    "406M": {"d_model": 1024, "layers": 24, "heads": 16},
+    "1.3B": {"d_model": 2048, "layers": 24, "heads": 16},
+    "86M": {"d_model": 768, "layers": 12, "heads": 12},
+    "tiny": {"d_model": 64, "layers": 2, "heads": 4},       # CPU runs and tests
+}
+
+# NCCL settings of a single multi-GPU host (e2e --transport); share-GPU mode is always sockets.
+TRANSPORTS: Dict[str, Dict[str, str]] = {
+    "nvlink": {},
+    "net": {"NCCL_P2P_DISABLE": "1"},
+    "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
+}
+
+
+# ------------------------------------------------------------------------------------------- topologies
+
+def parse_topology(spec: str) -> Tuple[int, int]:
+    """``"NODESxGPUS"`` (``"2x2"``, ``"4x1"``, ``"1x1"``) -> (nodes, gpus_per_node); ValueError otherwise."""
+    m = re.fullmatch(r"(\d+)x(\d+)", str(spec).strip())
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"topology {spec!r} is not NODESxGPUS with both >= 1 (e.g. 2x2, 4x1, 1x1)")
+    return int(m.group(1)), int(m.group(2))
+
+
+# ------------------------------------------------------------------------------------------- configs
+
+@dataclass(frozen=True)
+class Variant:
+    """A config of the suite: ``NAME[:REPLICA]``.
+
+    NAME is a file of configs/ (``zero3``, ``zeropp``, ``sdp4bit``, ``qwd``, ``tlq_hs`` ...) or a path to a
+    ds_config JSON; REPLICA (``node`` / ``full``) sets ``sdp4bit.weights.replica`` explicitly.  ``sdp4bit``
+    without a replica is the shipped configs/sdp4bit.json unchanged (only the topology's gpus_per_node is
+    injected, as a user does): those rows carry ``default: true``.
+    """
+
+    name: str
+    replica: Optional[str] = None
+
+    @classmethod
+    def parse(cls, spec: str) -> "Variant":
+        name, _, rep = str(spec).partition(":")
+        if rep and rep not in ("node", "full"):
+            raise ValueError(f"config {spec!r}: the replica after ':' must be node or full, got {rep!r}")
+        v = cls(name, rep or None)
+        v.path()  # fail early on unknown names
+        if v.replica and "sdp4bit" not in v.load():
+            raise ValueError(f"config {spec!r}: {name} has no sdp4bit block, so no replica to set")
+        return v
+
+    @property
+    def label(self) -> str:
+        return self.name + (f":{self.replica}" if self.replica else "")
+
+    @property
+    def config(self) -> str:
+        return Path(self.name).stem
+
+    def path(self) -> Path:
+        p = Path(self.name)
+        if p.suffix == ".json" and p.is_file():
+            return p
+        q = CONFIG_DIR / f"{self.name}.json"
+        if q.is_file():
+            return q
+        have = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.json")))
+        raise ValueError(f"no config {self.name!r} (configs/ has: {have})")
+
+    def load(self) -> dict:
+        with open(self.path()) as f:
+            return json.load(f)
+
+    @property
+    def is_default(self) -> bool:
+        return self.path().resolve() == (CONFIG_DIR / "sdp4bit.json").resolve() and self.replica is None
+
+    def ds_set(self, gpus_per_node: int, share_gpu: bool) -> List[str]:
+        """``--ds-set`` arguments of train_gpt.py for this config at a topology with ``gpus_per_node``."""
+        cfg = self.load()
+        out: List[str] = []
+        if "sdp4bit" in cfg:
+            out.append(f"sdp4bit.topology.gpus_per_node={gpus_per_node}")
+            if self.replica:
+                out.append(f'sdp4bit.weights.replica="{self.replica}"')
+        zo = cfg.get("zero_optimization") or {}
+        if zo.get("zero_hpz_partition_size", 1) not in (None, 1):
+            # Share-GPU mode: DeepSpeed counts one GPU per node (each rank sees one device), so hpZ must be 1.
+            out.append(f"zero_optimization.zero_hpz_partition_size={1 if share_gpu else gpus_per_node}")
+        return out
+
+
+# ------------------------------------------------------------------------------------------- machine facts
+
+def git_commit() -> str:
+    """The checkout's commit (``+dirty`` when tracked files differ), else ``$SDP4BIT_COMMIT``, else unknown."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=20)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                   capture_output=True, text=True, timeout=20).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return os.environ.get("SDP4BIT_COMMIT") or "unknown"
+
+
+def _pkg_version(name: str) -> Optional[str]:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def machine_info() -> Dict[str, object]:
+    """GPU name / count / driver (nvidia-smi), CPU, host, and the torch / DeepSpeed / NCCL versions."""
+    info: Dict[str, object] = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+                               "cpu_count": os.cpu_count(), "python": platform.python_version()}
+    gpus: List[Dict[str, str]] = []
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+        for line in q.stdout.strip().splitlines():
+            name, driver, mem = [x.strip() for x in line.split(",")]
+            gpus.append({"name": name, "driver": driver, "memory": mem})
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        pass
+    info["gpus"] = gpus
+    info["gpu_name"] = gpus[0]["name"] if gpus else None
+    info["gpu_count"] = len(gpus)
+    info["driver"] = gpus[0]["driver"] if gpus else None
+    versions = {"deepspeed": _pkg_version("deepspeed"), "deepspeed_sdp4bit": _pkg_version("deepspeed_sdp4bit"),
+                "triton": _pkg_version("triton")}
+    try:
+        import torch
+        versions["torch"] = torch.__version__
+        versions["cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as e:  # noqa: BLE001
+        versions["torch"] = f"unavailable ({e})"
+    info["versions"] = versions
+    return info
+
+
+def device_label(info: Dict[str, object]) -> str:
+    """Short machine name for tables: the GPU name, or ``cpu (N cores)``."""
+    return str(info.get("gpu_name") or f"cpu ({info.get('cpu_count')} cores)")
+
+
+def new_run_id(question: str) -> str:
+    return f"{question}_{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}_{os.getpid()}"
+
+
+def run_meta(question: str, run_id: str, args) -> Dict[str, object]:
+    info = machine_info()
+    return {"question": question, "run_id": run_id, "commit": git_commit(),
+            "command": shlex.join([sys.executable, "-m", "benchmarks"] + sys.argv[1:]) if sys.argv else "",
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": info, "versions": info.pop("versions"),
+            "args": {k: v for k, v in vars(args).items() if k != "func"}}
+
+
+# ------------------------------------------------------------------------------------------- files
+
+def write_json(path: Path, obj) -> None:
+    """Atomic JSON write (a crash leaves the previous version)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def load_rows(path: Path) -> List[dict]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of rows")
+    return data
+
+
+def merge_rows(path: Path, rows: Sequence[dict]) -> List[dict]:
+    """Merge ``rows`` into the JSON list at ``path`` (same ``row_id`` replaced, others kept); returns it."""
+    old = load_rows(path)
+    new_ids = {r["row_id"] for r in rows}
+    merged = [r for r in old if r.get("row_id") not in new_ids] + list(rows)
+    write_json(path, merged)
+    return merged
+
+
+def merge_dict(path: Path, items: Dict[str, object]) -> None:
+    """Merge ``items`` into the JSON object at ``path`` (same keys replaced)."""
+    path = Path(path)
+    doc = json.loads(path.read_text()) if path.is_file() else {}
+    doc.update(items)
+    write_json(path, doc)
+
+
+# ------------------------------------------------------------------------------------------- launching
+
+def on_gpu() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def launch_command(script: Path, script_args: List[str], world: int, ranks_per_gpu: int,
+                   cpu: bool) -> Tuple[List[str], Dict[str, str]]:
+    """torchrun command and extra env for ``world`` ranks of ``script``.
+
+    ``ranks_per_gpu`` > 1 (GPU only): the ranks share GPUs through ``share_gpu.py``, which gives every rank
+    its own NCCL host id and one visible GPU before torch is imported (see that file).
+    """
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    env: Dict[str, str] = {"PYTHONUNBUFFERED": "1"}
+    if cpu:
+        env["DS_ACCELERATOR"] = "cpu"
+        return launch + [str(script)] + script_args, env
+    if ranks_per_gpu > 1:
+        env["SDP4BIT_RANKS_PER_GPU"] = str(ranks_per_gpu)
+        return launch + [str(SHARE_GPU), str(script)] + script_args, env
+    return launch + [str(script)] + script_args, env
+
+
+def run_process(cmd: List[str], env_extra: Dict[str, str], log_path: Path, timeout_s: float) -> Tuple[object, float]:
+    """Run ``cmd`` (its own process group, output to ``log_path``); returns (returncode or "timeout", wall s).
+
+    On timeout the whole process group (torchrun and its ranks) is killed.
+    """
+    env = dict(os.environ)
+    env.update(env_extra)
+    pp = env.get("PYTHONPATH", "")
+    if str(REPO) not in pp.split(os.pathsep):
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + pp if pp else "")
+    t0 = time.time()
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as f:
+        f.write("$ " + " ".join(f"{k}={v}" for k, v in env_extra.items()) + " " + shlex.join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=10)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+    return rc, time.time() - t0
+
+
+def log_tail(path: Path, n: int = 25) -> List[str]:
+    """The last ``n`` informative lines of a run's output (DeepSpeed's per-rank noise dropped)."""
+    if not Path(path).is_file():
+        return []
+    lines = Path(path).read_text(errors="replace").splitlines()
+    keep = [ln for ln in lines if ln.strip() and "FutureWarning" not in ln and "warnings.warn" not in ln]
+    return keep[-n:]
+
+
+class Deadline:
+    """A wall-clock budget for one call of the suite (the GPU machine allows 10 minutes per command)."""
+
+    def __init__(self, seconds: Optional[float]):
+        self.end = time.time() + seconds if seconds else None
+
+    def left(self) -> float:
+        return float("inf") if self.end is None else self.end - time.time()
+
+
+def work_dir(run_id: str) -> Path:
+    """Scratch folder of one run (train_gpt.py logs and outputs), outside the results folder."""
+    d = Path(tempfile.gettempdir()) / "sdp4bit_bench" / run_id
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def pack_logs(work: Path, archive: Path) -> None:
+    """All logs of a run as one archive next to its results file (then the scratch folder is removed)."""
+    import shutil
+    import tarfile
+
+    if not Path(work).is_dir():
+        return
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(work, arcname=Path(work).name)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
