@@ -34,6 +34,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.
 
 phase=${1:-parity}
 BACKEND=${BACKEND:-auto}
+# the config's automatic choice is the omitted key ("auto" is refused in the sdp4bit block: accelerate reserves it)
+BACKEND_SET=()
+[ "$BACKEND" != auto ] && BACKEND_SET=(--sdp4bit-set "kernel_backend=\"$BACKEND\"")
 case "$phase" in
 parity)
   # a named backend that cannot run fails here, before any training starts (cuda: the JIT build happens here)
@@ -43,7 +46,7 @@ from deepspeed_sdp4bit import ops
 print('requested backend:', ops.get_backend('$BACKEND', 'cuda').name)
 " 2>&1 | tail -3
   python3 benchmarks/run_matrix.py --configs zero3 sdp4bit --topologies 2x1 1x2 --transports nvlink \
-      --sdp4bit-set "kernel_backend=\"$BACKEND\"" --out "$WORK/parity" --timeout 280 -- --d-model 256 --layers 4 --heads 4 --seq 256 --micro-batch 8 \
+      "${BACKEND_SET[@]}" --out "$WORK/parity" --timeout 280 -- --d-model 256 --layers 4 --heads 4 --seq 256 --micro-batch 8 \
       --steps 150 --lr 1e-3 --warmup 10 --eval-every 0 --eval-batches 8 --torch-adam yes \
       --ds-set zero_optimization.stage3_param_persistence_threshold=0 2>&1 | grep -v "^\[rank" | tail -8
   for t in nvlink sockets; do
@@ -58,7 +61,7 @@ throughput)
   shift
   # CONFIGS="zero3 sdp4bit" skips ZeRO++ (and its 75 s quantizer build) for a quick re-measure
   python3 benchmarks/run_matrix.py --configs ${CONFIGS:-zero3 zeropp sdp4bit} --topologies 2x1 --transports "${@:-nvlink}" \
-      --sdp4bit-set "kernel_backend=\"$BACKEND\"" --out "$WORK/throughput" --timeout 170 -- --d-model 1024 --layers 24 --heads 16 --seq 1024 \
+      "${BACKEND_SET[@]}" --out "$WORK/throughput" --timeout 170 -- --d-model 1024 --layers 24 --heads 16 --seq 1024 \
       --micro-batch 4 --steps 20 --random-tokens --eval-batches 0 --torch-adam yes 2>&1 \
       | grep -v "^\[rank" | tail -8
   ;;

@@ -23,7 +23,7 @@ Usage (everything after ``--`` goes to train_gpt.py unchanged)::
     python benchmarks/run_matrix.py --cpu --configs zero3 --topologies 4 --out /tmp/m -- \\
         --d-model 64 --layers 2 --heads 4 --seq 64 --micro-batch 4 --steps 30
 
-Topologies: ``N`` = N ranks on this host, the config untouched (sdp4bit's ``gpus_per_node: "auto"`` makes them
+Topologies: ``N`` = N ranks on this host, the config untouched (sdp4bit's omitted ``topology.gpus_per_node`` makes them
 one node).  ``AxB`` = A logical nodes of B ranks: sets ``sdp4bit.topology.gpus_per_node = B`` for configs with
 an sdp4bit block and ``zero_optimization.zero_hpz_partition_size = B`` for configs that use hpZ; with B = 1
 on GPUs it also passes ``--one-gpu-per-rank`` so that DeepSpeed's ZeRO++ (which counts nodes as

@@ -344,13 +344,13 @@ class SDP4BitState:
 
         self.cfg = cfg
         self.topology = Topology.build(cfg.topology.gpus_per_node, group=optimizer.dp_process_group)
-        self.reducer = (GradientReducer(self.topology, cfg.gradients, cfg.seed, backend=cfg.kernel_backend)
+        self.reducer = (GradientReducer(self.topology, cfg.gradients, cfg.seed, backend=cfg.backend_name)
                         if cfg.gradients.enabled else None)
         self.weights = None
         self.level = None
         if cfg.weights.enabled:
             self.level = cfg.weights.replica
-            self.weights = WeightDeltaAllGather(self.topology, cfg.weights, cfg.seed, backend=cfg.kernel_backend,
+            self.weights = WeightDeltaAllGather(self.topology, cfg.weights, cfg.seed, backend=cfg.backend_name,
                                                 level=self.level)
         self.step = 0
         self.bucket = 0
