@@ -220,7 +220,7 @@ def _make_initialize(orig_initialize):
         cli_args = a.get("args")
         config = a.get("config")
         if config is None and a.get("config_params") is not None:
-            config = a.pop("config_params")
+            config = a.get("config_params")  # kept: the no-sdp4bit path passes the call on unchanged
         from_cli = config is None and getattr(cli_args, "deepspeed_config", None) is not None
         if from_cli:
             config = cli_args.deepspeed_config
