@@ -204,21 +204,32 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
          params: Optional[int] = None) -> Dict[str, Any]:
     """Validate ``ds_config`` for ``world`` ranks, ``gpus_per_node`` per host, as ``deepspeed.initialize``
     would (raises its errors), and describe what SDP4Bit does; with ``params``, the bytes per GPU per step."""
+    from . import integration
     from .collectives import gradients as G
-    from .integration import prepare_ds_config
+    from .config import parse_ds_config
     from .step_bytes import SCHEMES, node_link_bytes, step_bytes, totals
     from .topology import TopologyShape, resolve_gpus_per_node
 
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
     with _launcher_env(gpus_per_node):
-        new_config, cfg = prepare_ds_config(ds_config, world)
-        out: Dict[str, Any] = {"world": world, "active": cfg.active, "lines": []}
+        requested = parse_ds_config(ds_config)
+        # what deepspeed.initialize decides for this job (automatic choices made, parts turned off)
+        if hasattr(integration, "plan_run"):
+            rp = integration.plan_run(ds_config, world, n_params=params)
+            new_config, cfg, off_reason, notes = rp.ds_config, rp.cfg, rp.off_reason, list(rp.notes)
+        else:
+            new_config, cfg = integration.prepare_ds_config(ds_config, world)
+            off_reason, notes = None, []
+        out: Dict[str, Any] = {"world": world, "active": cfg.active, "lines": [], "cfg": cfg.model_dump()}
         lines = out["lines"]
-        if not cfg.active:
+        if not requested.active:
             lines.append("no active sdp4bit block: DeepSpeed runs as configured (plain ZeRO), nothing of "
                          "sdp4bit is used")
             return out
+        lines += [f"note: {n}" for n in notes]
+        if not cfg.active:
+            lines.append(f"SDP4Bit is off for this job: {off_reason or 'nothing of it is enabled'}")
         try:
             gpn = resolve_gpus_per_node(cfg.topology.gpus_per_node, world)
         except ValueError as e:
@@ -236,7 +247,7 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         lines.append("ds_config keys sdp4bit sets for DeepSpeed: "
                      + ", ".join(f"zero_optimization.{k}={v}" for k, v in sorted(changed.items())))
     w = cfg.weights
-    if w.enabled:
+    if w.enabled and cfg.enabled:
         what = f"{w.bits}-bit {'differences to the replica (qWD)' if w.mode == 'diff' else 'weights (qW)'}, " \
                f"group {w.group_size}, {w.rounding} rounding"
         if w.replica == "full":
@@ -254,7 +265,7 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
     else:
         lines.append("weights: off (ZeRO-3's bf16 all-gathers)")
     gr = cfg.gradients
-    if gr.enabled:
+    if gr.enabled and cfg.enabled:
         p = G.make_plan(1 << 20, shape, gr)
         if not p.levels:
             lines.append("gradients: one rank, nothing to reduce")

@@ -1,11 +1,13 @@
 """examples/train_hf.py: SDP4Bit through the Hugging Face Trainer / accelerate, on 2 gloo ranks (torchrun).
 
-Four launches of the example with the shipped configs, unchanged: ZeRO-3 (configs/zero3.json) and SDP4Bit
-(configs/sdp4bit.json) for 2 * HALF steps each, and SDP4Bit stopped after HALF steps (checkpointed) then
-resumed with ``resume_from_checkpoint``.  Tolerances (tiny GPT-2, bytes of this package's source, lr 6e-4):
+Four launches: ZeRO-3 (configs/zero3.json, unchanged) and SDP4Bit for 2 * HALF steps each, and SDP4Bit
+stopped after HALF steps (checkpointed) then resumed with ``resume_from_checkpoint``.  SDP4Bit is
+configs/sdp4bit.json with the 2 ranks as 2 nodes x 1 and the full replica (``topology.gpus_per_node = 1``,
+``weights.replica = "full"``), so that both the inter-node gradient level and the weight refresh are on the
+wire.  Tolerances (tiny GPT-2, bytes of this package's source, lr 6e-4):
 
-* SDP4Bit vs ZeRO-3, per step (mean loss over the ranks): |diff| <= 0.01 (observed 9.5e-4: the default block
-  quantizes the gradients to 8 bits inside the node; one node, so no weight differences are sent).
+* SDP4Bit vs ZeRO-3, per step (mean loss over the ranks): |diff| <= 0.02 (observed 0.0050: 4-bit gradients
+  across the "nodes", 4-bit weight differences).
 * save_model -> from_pretrained: the held-out loss of the reloaded model equals the engine's within 1e-3
   (observed equal: the same bf16 weights, the same bf16 forward).
 * resume: every step after the resume equals the uninterrupted run within 1e-4, "4 decimals" (observed equal).
@@ -28,6 +30,16 @@ RANKS = 2
 HALF = 6
 
 
+def _sdp4bit_2x1(tmp):
+    cfg = json.loads(open(os.path.join(REPO, "configs", "sdp4bit.json")).read())
+    cfg["sdp4bit"]["topology"] = {"gpus_per_node": 1}
+    cfg["sdp4bit"]["weights"]["replica"] = "full"
+    path = os.path.join(str(tmp), "sdp4bit_2x1.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
 def _launch(out, config, *extra):
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -46,11 +58,12 @@ def _launch(out, config, *extra):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf")
+    sdp = _sdp4bit_2x1(d)
     return {
         "zero3": _launch(d / "zero3", "zero3.json"),
-        "sdp4bit": _launch(d / "sdp4bit", "sdp4bit.json"),
-        "stopped": _launch(d / "resume", "sdp4bit.json", "--stop-at", str(HALF)),
-        "resumed": _launch(d / "resume", "sdp4bit.json", "--resume"),
+        "sdp4bit": _launch(d / "sdp4bit", sdp),
+        "stopped": _launch(d / "resume", sdp, "--stop-at", str(HALF)),
+        "resumed": _launch(d / "resume", sdp, "--resume"),
     }
 
 
@@ -61,7 +74,9 @@ def test_every_rank_trains_in_one_world(runs):
 
 def test_sdp4bit_is_active_through_the_trainer(runs):
     s = runs["sdp4bit"]["sdp4bit_summary"]
-    assert s is not None and s["gradients"]["bytes"] > 0 and s["gradients"]["bytes"] < s["gradients"]["baseline_bytes"]
+    assert s is not None
+    for part in ("gradients", "weights"):
+        assert 0 < s[part]["bytes_by_level"]["inter"] < s[part]["baseline_bytes"], s
     assert runs["zero3"]["sdp4bit_summary"] is None
 
 
@@ -69,7 +84,7 @@ def test_loss_close_to_zero3(runs):
     z, s = runs["zero3"]["losses"], runs["sdp4bit"]["losses"]
     assert sorted(z) == sorted(s) == list(range(1, 2 * HALF + 1))
     diffs = [abs(z[k] - s[k]) for k in z]
-    assert max(diffs) <= 0.01, diffs
+    assert max(diffs) <= 0.02, diffs
     assert s[2 * HALF] < s[1] - 0.2  # it learns
 
 

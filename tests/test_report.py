@@ -14,7 +14,7 @@ import torch
 from deepspeed_sdp4bit import __main__ as report
 from deepspeed_sdp4bit.collectives import gradients as G
 from deepspeed_sdp4bit.collectives import weights as Wt
-from deepspeed_sdp4bit.config import SDP4BitConfigError, parse_block, parse_ds_config
+from deepspeed_sdp4bit.config import SDP4BitConfig, SDP4BitConfigError, parse_block, parse_ds_config
 from deepspeed_sdp4bit.step_bytes import node_link_bytes, step_bytes, totals
 from deepspeed_sdp4bit.topology import TopologyShape
 
@@ -54,7 +54,7 @@ def test_linter_ok_prints_levels_and_bytes(capsys):
 def test_plan_bytes_are_the_models():
     ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
     p = report.plan(ds, 16, 8, 10 ** 9)
-    shape, cfg = TopologyShape(2, 8), parse_ds_config(ds)
+    shape, cfg = TopologyShape(2, 8), SDP4BitConfig.model_validate(p["cfg"])   # automatic choices made
     for scheme in ("zero3", "zero++", "sdp4bit"):
         assert p["bytes"][scheme]["totals"] == totals(step_bytes(scheme, 10 ** 9, shape, cfg))
     s, z = p["bytes"]["sdp4bit"], p["bytes"]["zero3"]
