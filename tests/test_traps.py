@@ -80,14 +80,16 @@ def _worker4(rank, world, ckpt):
 
     res["moe"] = _catch(lambda: _engine(cfg, MoEModel()))
 
-    # a checkpoint at 2 x 2 (a frozen parameter in the model), then the same world as 1 x 4
+    # a checkpoint at 2 x 2 (a frozen parameter in the model), then the same world as 4 x 1
     e = _engine(cfg, _frozen_model())
     before = ds_utils.train_steps(e, 2, rank)
     e.save_checkpoint(ckpt, tag="t")
     res["uninterrupted"] = ds_utils.train_steps(e, 2, rank, start_step=2)
     del e
-    one_node = ds_utils.base_config(sdp4bit={"topology": {"gpus_per_node": 4}, "kernel_backend": "torch"})
-    e = _engine(one_node, _frozen_model(seed=3))
+    # (4 x 1 with the full replica: a layout where SDP4Bit is on whatever the single-node rules are)
+    other = ds_utils.base_config(sdp4bit={"topology": {"gpus_per_node": 1}, "weights": {"replica": "full"},
+                                          "kernel_backend": "torch"})
+    e = _engine(other, _frozen_model(seed=3))
     res["other_topology"] = _catch(lambda: e.load_checkpoint(ckpt, tag="t"))
     del e
     # the same layout resumes (the control for the refusal above).  Same initial weights as the saved run: the
@@ -158,6 +160,6 @@ def test_resume_with_another_topology_is_refused_naming_both(runs):
     for r in four:
         msg = r["other_topology"]
         assert msg and msg.startswith("RuntimeError"), msg
-        assert "saved with 2 node(s) x 2 GPU(s) per node, this job runs 1 x 4" in msg and "gpus_per_node = 2" in msg
+        assert "saved with 2 node(s) x 2 GPU(s) per node, this job runs 4 x 1" in msg and "gpus_per_node = 2" in msg
         # with a frozen parameter, at the same layout, the resumed run continues exactly
         assert r["resumed"] == r["uninterrupted"]
