@@ -61,5 +61,7 @@ setup(
         "triton": ["triton>=3.0"],
         "test": ["pytest>=7"],
         "plot": ["matplotlib"],
+        # examples/train_hf.py and its test (tried with transformers 5.24, accelerate 1.15)
+        "hf": ["transformers>=5.24", "accelerate>=1.15"],
     },
 )

@@ -18,18 +18,22 @@ This is a model, not a measurement.  Assumptions (stated so they can be argued w
 
     python -m benchmarks projection --params 1.3e9 --nodes 2 4 8 16 --gpus-per-node 8 --link-gbps 100
 
-prints per scheme: inter-node bytes per GPU per step and the projected communication time per step.
+prints per scheme: inter-node bytes per GPU per step and the projected communication time per step.  The
+bytes come from the project's one bytes model, ``deepspeed_sdp4bit/step_bytes.py`` (also behind
+``python -m deepspeed_sdp4bit --ds-config ... --params P``).
 """
 
 import argparse
 import json
+import os
+import sys
 
-SCHEMES = {
-    # bytes per parameter crossing the inter-node link per step
-    "zero3": 3 * 2.0,
-    "zero++": 1.0 + 4 / 2048 + 0.5 + 4 / 2048,
-    "sdp4bit": (4 + 32 / 2048) / 8 + (4 + 32 / 128) / 8,
-}
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from deepspeed_sdp4bit.config import parse_block  # noqa: E402
+from deepspeed_sdp4bit.step_bytes import SCHEMES, node_link_bytes, step_bytes  # noqa: E402
+from deepspeed_sdp4bit.topology import TopologyShape  # noqa: E402
+
 # logical bytes the sdp4bit kernels touch per parameter per step on each GPU share (read + written):
 # gradients: bf16 in, 8-bit out (op 1), 8-bit in x G, 4-bit out (op 2), 4-bit in x N, bf16 out (op 3);
 # weights: fp32 master + bf16 replica in, 4-bit out, bf16 replica out (op 4), 4-bit in x N + bf16 rw (op 5).
@@ -38,10 +42,13 @@ KERNEL_BYTES_PER_PARAM = {"zero3": 0.0, "zero++": 6.0, "sdp4bit": 14.0}
 
 def project(params, nodes, gpus_per_node, link_gbps, kernel_gbs):
     rows = []
+    cfg = parse_block({})  # the default block: the paper's SDP4Bit
     for n in nodes:
         world = n * gpus_per_node
-        for name, bpp in SCHEMES.items():
-            node_bytes = (n - 1) / n * params * bpp          # crossing one node's link per step
+        shape = TopologyShape(n, gpus_per_node)
+        for name in SCHEMES:
+            # crossing one node's link per step (deepspeed_sdp4bit/step_bytes.py: the project's bytes model)
+            node_bytes = node_link_bytes(step_bytes(name, int(params), shape, cfg), shape)
             per_gpu = node_bytes / gpus_per_node
             comm_s = node_bytes * 8 / (link_gbps * 1e9)
             kern_s = KERNEL_BYTES_PER_PARAM[name] * params / world / (kernel_gbs * 1e9) if kernel_gbs else 0.0

@@ -8,7 +8,8 @@ ds_config (ZeRO stage, ZeRO++ keys, offload) live in :func:`validate_against_ds_
 from __future__ import annotations
 
 import difflib
-from typing import Any, Dict, Literal, Optional, Union
+import json
+from typing import Any, Dict, List, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -106,14 +107,15 @@ class GradientsConfig(_Strict):
 
 
 class TopologyConfig(_Strict):
-    # auto = the launcher's LOCAL_WORLD_SIZE; an int lets one host act as several logical nodes.
-    gpus_per_node: Union[Literal["auto"], int] = "auto"
+    # Omitted (None) = the launcher's LOCAL_WORLD_SIZE; an int lets one host act as several logical nodes.
+    gpus_per_node: Optional[int] = None
 
     @field_validator("gpus_per_node")
     @classmethod
     def _positive(cls, v):
-        if v != "auto" and (isinstance(v, bool) or int(v) < 1):
-            raise ValueError(f"topology.gpus_per_node must be 'auto' or a positive integer, got {v!r}")
+        if v is not None and v < 1:
+            raise ValueError(f"topology.gpus_per_node must be a positive integer (omit it for the launcher's "
+                             f"LOCAL_WORLD_SIZE), got {v!r}")
         return v
 
 
@@ -124,8 +126,9 @@ class SDP4BitConfig(_Strict):
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     gradients: GradientsConfig = Field(default_factory=GradientsConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
-    # auto: on GPUs each op from the fastest measured backend that runs there (ops.AUTO_ORDER), torch on CPU.
-    kernel_backend: Literal["auto", "cuda", "triton", "torch"] = "auto"
+    # Omitted (None): on GPUs each op from the fastest measured backend that runs there (ops.AUTO_ORDER, the
+    # backend ops.py calls "auto"), torch on CPU.  A name forces that backend for every op.
+    kernel_backend: Optional[Literal["cuda", "triton", "torch"]] = None
     # Seeds every stochastic-rounding stream together with (step, rank, bucket, level): reproducible runs.
     seed: int = Field(1234, ge=0, lt=1 << 32)
     # Print the per-step communication summary every N optimizer steps on rank 0 (0 = never).
@@ -137,6 +140,50 @@ class SDP4BitConfig(_Strict):
     @property
     def active(self) -> bool:
         return self.enabled and (self.weights.enabled or self.gradients.enabled)
+
+    @property
+    def backend_name(self) -> str:
+        """The name for :func:`deepspeed_sdp4bit.ops.get_backend`: the key's value, or its automatic choice."""
+        return self.kernel_backend or "auto"
+
+
+# What an omitted key means, for the keys whose default is chosen at run time (named in the "auto" error).
+AUTOMATIC = {
+    "topology.gpus_per_node": "the launcher's LOCAL_WORLD_SIZE",
+    "kernel_backend": "per op the fastest kernel backend that runs on the device",
+}
+
+
+def _wants_int(annotation) -> bool:
+    """Whether a field takes integers (int, Optional[int], Literal[4, 8], ...)."""
+    if annotation is int:
+        return True
+    return any(_wants_int(a) or (isinstance(a, int) and not isinstance(a, bool)) for a in get_args(annotation))
+
+
+def _raw_problems(block: Dict[str, Any], model, prefix: str) -> List[str]:
+    """What pydantic would not say about the raw JSON values: "auto" strings, booleans for integer keys.
+
+    "auto" is refused in every key: Hugging Face accelerate treats ANY "auto" in a ds_config as its own
+    placeholder to fill (and raises for keys it does not know), so our automatic choices are omitted keys.
+    pydantic's lax mode would turn ``true`` into 1 for an integer key: refused here, naming the key.
+    """
+    out = []
+    for key, value in block.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue  # unknown keys are reported by the model, with a did-you-mean
+        path = f"{prefix}{key}"
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            meant = AUTOMATIC.get(path)
+            out.append(f"{path}: {json.dumps(value)} is not a value here; omit the key for "
+                       + (f"the automatic choice ({meant})" if meant else "its default")
+                       + ' (Hugging Face accelerate reserves "auto" in a ds_config for its own placeholders)')
+        elif isinstance(value, bool) and _wants_int(field.annotation):
+            out.append(f"{path}: must be an integer, got {json.dumps(value)}")
+        elif isinstance(value, dict) and isinstance(field.annotation, type) and issubclass(field.annotation, _Strict):
+            out += _raw_problems(value, field.annotation, path + ".")
+    return out
 
 
 def _format_error(e: ValidationError) -> str:
@@ -158,6 +205,9 @@ def parse_block(block: Optional[Dict[str, Any]]) -> SDP4BitConfig:
         return block
     if not isinstance(block, dict):
         raise SDP4BitConfigError(f"the {BLOCK_KEY!r} block must be a JSON object, got {type(block).__name__}")
+    problems = _raw_problems(block, SDP4BitConfig, "")
+    if problems:
+        raise SDP4BitConfigError("invalid sdp4bit config:\n" + "\n".join(f"  {BLOCK_KEY}.{p}" for p in problems))
     try:
         return SDP4BitConfig.model_validate(block)
     except ValidationError as e:
@@ -181,6 +231,10 @@ def find_block(ds_config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         if "sdp4" in norm or difflib.SequenceMatcher(None, norm, BLOCK_KEY).ratio() >= 0.75:
             raise SDP4BitConfigError(f"ds_config has a top-level key {key!r}; did you mean {BLOCK_KEY!r}? "
                                      f"(DeepSpeed would silently ignore it)")
+    if BLOCK_KEY in ds_config and ds_config[BLOCK_KEY] is None:
+        # null is neither "on with defaults" ({}) nor "off" ({"enabled": false}): refused like any non-object.
+        raise SDP4BitConfigError(f'the {BLOCK_KEY!r} block is null; write {{}} for SDP4Bit with its defaults, '
+                                 f'{{"enabled": false}} (or no {BLOCK_KEY!r} key) to train without it')
     return ds_config.get(BLOCK_KEY)
 
 
@@ -198,9 +252,11 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
         return
     zero = ds_config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
-    if stage != 3:
+    if isinstance(stage, str) and stage.strip().isdigit():
+        stage = int(stage)  # DeepSpeed's own config model reads "3" as 3
+    if isinstance(stage, bool) or stage != 3:
         raise SDP4BitConfigError(f"sdp4bit needs zero_optimization.stage = 3 (sharded data parallelism), "
-                                 f"got {stage}")
+                                 f"got {zero.get('stage', 0)!r}")
     for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
         if zero.get(key):
             raise SDP4BitConfigError(f"zero_optimization.{key} (ZeRO++) cannot be combined with sdp4bit: both "
@@ -219,7 +275,7 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
     gpn = cfg.topology.gpus_per_node
     # An omitted replica with an explicit hpZ size > 1 becomes "node" (integration.choose_replica).
     replica = cfg.weights.replica or ("node" if hpz not in (None, 1) else None)
-    if (cfg.weights.enabled and replica == "node" and hpz not in (None, 1) and gpn not in (None, "auto")
+    if (cfg.weights.enabled and replica == "node" and hpz not in (None, 1) and gpn is not None
             and hpz != gpn):
         raise SDP4BitConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} must equal "
                                  f"sdp4bit.topology.gpus_per_node={gpn} (the replica is one copy per node)")

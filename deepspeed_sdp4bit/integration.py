@@ -105,7 +105,7 @@ def install() -> bool:
 
     if not getattr(deepspeed.initialize, "_sdp4bit_wrapped", False):
         _ORIG["initialize"] = deepspeed.initialize
-        deepspeed.initialize = _make_initialize(deepspeed.initialize)
+        deepspeed.initialize = _marking_build(_make_initialize(deepspeed.initialize))
     from deepspeed.runtime.zero.partition_parameters import Init
 
     if not getattr(Init.__init__, "_sdp4bit_wrapped", False):
@@ -140,6 +140,7 @@ def install() -> bool:
         wrapped = factory(orig)
         wrapped._sdp4bit_wrapped = True
         setattr(S3, name, wrapped)
+    _install_engine_checks()
     _INSTALLED = True
     return True
 
@@ -342,7 +343,7 @@ def _make_initialize(orig_initialize):
         cli_args = a.get("args")
         config = a.get("config")
         if config is None and a.get("config_params") is not None:
-            config = a.pop("config_params")
+            config = a.get("config_params")  # kept: the no-sdp4bit path passes the call on unchanged
         from_cli = config is None and getattr(cli_args, "deepspeed_config", None) is not None
         if from_cli:
             config = cli_args.deepspeed_config
@@ -660,13 +661,13 @@ class SDP4BitState:
 
         self.cfg = cfg
         self.topology = Topology.build(cfg.topology.gpus_per_node, group=optimizer.dp_process_group)
-        self.reducer = (GradientReducer(self.topology, cfg.gradients, cfg.seed, backend=cfg.kernel_backend)
+        self.reducer = (GradientReducer(self.topology, cfg.gradients, cfg.seed, backend=cfg.backend_name)
                         if cfg.gradients.enabled else None)
         self.weights = None
         self.level = None
         if cfg.weights.enabled:
             self.level = cfg.weights.replica
-            self.weights = WeightDeltaAllGather(self.topology, cfg.weights, cfg.seed, backend=cfg.kernel_backend,
+            self.weights = WeightDeltaAllGather(self.topology, cfg.weights, cfg.seed, backend=cfg.backend_name,
                                                 level=self.level)
         self.step = 0
         self.bucket = 0
@@ -798,6 +799,11 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
     """Attach SDP4Bit to ``engine``'s stage-3 optimizer; returns the state (also ``engine.sdp4bit``)."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
+    if getattr(engine, "has_moe_layers", False):
+        # expert parameters are reduced over expert-data-parallel groups, not the data-parallel world that
+        # the TLq-HS topology and the replicas are built over
+        raise NotImplementedError("sdp4bit does not support mixture-of-experts layers (deepspeed.moe) yet; "
+                                  "remove the 'sdp4bit' block for this model")
     opt = engine.optimizer
     if not isinstance(opt, DeepSpeedZeroOptimizer_Stage3):
         raise NotImplementedError(f"sdp4bit needs DeepSpeed's ZeRO stage-3 optimizer, the engine has "
@@ -851,6 +857,100 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
     engine.sdp4bit = state
     engine.sdp4bit_summary = state.summary
     return state
+
+
+# ----------------------------------------------------------------------------------------------------------
+# traps caught when the engine is built or a checkpoint is loaded
+# ----------------------------------------------------------------------------------------------------------
+_BUILDING = 0   # > 0 while our deepspeed.initialize wrapper is running (engines built through it)
+
+
+def _marking_build(initialize):
+    """Marks engines built through our ``deepspeed.initialize`` (see :func:`_engine_init`)."""
+    @functools.wraps(initialize)
+    def wrapper(*args, **kwargs):
+        global _BUILDING
+        _BUILDING += 1
+        try:
+            return initialize(*args, **kwargs)
+        finally:
+            _BUILDING -= 1
+
+    wrapper._sdp4bit_wrapped = True
+    return wrapper
+
+
+def _install_engine_checks() -> None:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    for name, factory in (("__init__", _engine_init), ("load_checkpoint", _engine_load_checkpoint)):
+        orig = DeepSpeedEngine.__dict__[name]
+        if not getattr(orig, "_sdp4bit_wrapped", False):
+            _ORIG["DeepSpeedEngine." + name] = orig
+            wrapped = factory(orig)
+            wrapped._sdp4bit_wrapped = True
+            setattr(DeepSpeedEngine, name, wrapped)
+
+
+def _engine_init(orig):
+    # `from deepspeed import initialize` before `import deepspeed_sdp4bit` binds DeepSpeed's own function: the
+    # engine would train as plain ZeRO-3 with the "sdp4bit" block silently ignored.  Every engine built outside
+    # our wrapper whose config has an active block is refused here, when it is built.
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        if _BUILDING:
+            return
+        raw = getattr(getattr(self, "_config", None), "_param_dict", None)
+        if isinstance(raw, dict) and parse_ds_config(raw).active:
+            raise SDP4BitConfigError(
+                "this DeepSpeed engine was built with an active 'sdp4bit' block but not through "
+                "deepspeed_sdp4bit's deepspeed.initialize, so SDP4Bit would be silently ignored: the usual cause "
+                "is `from deepspeed import initialize` (or another reference to deepspeed.initialize) taken "
+                "before `import deepspeed_sdp4bit`. Import deepspeed_sdp4bit first, or call "
+                "deepspeed.initialize(...) through the module")
+
+    return __init__
+
+
+def _saved_dp_world_size(engine, load_dir: str, tag) -> Tuple[Optional[int], Optional[str]]:
+    """(data-parallel world size the checkpoint was saved with, its tag), read from DeepSpeed's model-states
+    file before DeepSpeed loads anything; (None, tag) when there is nothing to read (DeepSpeed then reports)."""
+    import glob
+    import os
+
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return None, None
+        with open(latest) as f:
+            tag = f.read().strip()
+    files = sorted(glob.glob(os.path.join(load_dir, str(tag), "*model_states.pt")))
+    if not files:
+        return None, tag
+    ck = engine.checkpoint_engine.load(files[0], map_location=torch.device("cpu"))
+    return ck.get("dp_world_size"), tag
+
+
+def _engine_load_checkpoint(orig):
+    # DeepSpeed checks the world size only when it reaches the optimizer shards, after loading the module
+    # (where a frozen parameter's fragment of another size fails first, with a tensor-size message).
+    @functools.wraps(orig)
+    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        st = get_state(self.optimizer) if getattr(self, "optimizer", None) is not None else None
+        if st is not None and not self.load_universal_checkpoint():
+            saved, t = _saved_dp_world_size(self, load_dir, tag)
+            cur = st.topology.world_size
+            if saved is not None and saved != cur:
+                raise RuntimeError(
+                    f"sdp4bit: the checkpoint {load_dir}/{t} was saved by {saved} data-parallel ranks, this job "
+                    f"has {cur}: SDP4Bit, like ZeRO-3's partitioned optimizer state, resumes only at the world "
+                    f"size it was saved with. Resume with {saved} ranks, or take the weights "
+                    f"(engine.save_16bit_model / the Trainer's save_model, or DeepSpeed's zero_to_fp32.py) and "
+                    f"start a new run from them with {cur} ranks (the optimizer state is not carried over)")
+        return orig(self, load_dir, tag, *args, **kwargs)
+
+    return load_checkpoint
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -994,7 +1094,7 @@ def _state_dict(orig):
         sd = orig(self)
         st = _active(self)
         if st is not None:
-            extra = {"step": st.step}
+            extra = {"step": st.step, "topology": [st.topology.num_nodes, st.topology.gpus_per_node]}
             if st.weights is not None:
                 extra["replica_partitions"] = [f.detach().clone() for f in self.fp16_partitioned_groups_flat]
             sd[_CKPT_KEY] = extra
@@ -1006,9 +1106,18 @@ def _state_dict(orig):
 def _rigid_load_state_dict(orig):
     @functools.wraps(orig)
     def _rigid_load(self, state_dict, load_optimizer_states=True):
-        orig(self, state_dict, load_optimizer_states=load_optimizer_states)
         st = _active(self)
         extra = state_dict.get(_CKPT_KEY) if isinstance(state_dict, dict) else None
+        if st is not None and extra is not None and extra.get("topology") is not None:
+            # Checked before DeepSpeed's load: resuming the replicas and rounding streams of another layout
+            # was seen to lose the training progress (loss back near its start) instead of failing.
+            (n0, g0), (n1, g1) = extra["topology"], (st.topology.num_nodes, st.topology.gpus_per_node)
+            if (n0, g0) != (n1, g1):
+                raise RuntimeError(
+                    f"sdp4bit: the checkpoint was saved with {n0} node(s) x {g0} GPU(s) per node, this job runs "
+                    f"{n1} x {g1}: resume with the same layout (sdp4bit.topology.gpus_per_node = {g0}, or "
+                    f"{g0} ranks per host with the key omitted), or start a new run from the exported weights")
+        orig(self, state_dict, load_optimizer_states=load_optimizer_states)
         if st is None or extra is None:
             return
         st.step = int(extra.get("step", st.step))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch.distributed as dist
 
@@ -49,17 +49,18 @@ class TopologyShape:
         return [self.rank_of(n, local) for n in range(self.num_nodes)]
 
 
-def resolve_gpus_per_node(setting: Union[str, int], world_size: int) -> int:
-    """``gpus_per_node`` from the config: an int, or ``auto`` = the launcher's LOCAL_WORLD_SIZE.
+def resolve_gpus_per_node(setting: Optional[int], world_size: int) -> int:
+    """``gpus_per_node`` from the config: an int, or None (the key omitted) = the launcher's LOCAL_WORLD_SIZE.
 
-    ``auto`` never looks at ``torch.cuda.device_count()``: the launcher knows how many ranks it started on
-    this host, the hardware does not know how the user wants the job split into nodes.
+    The automatic choice never looks at ``torch.cuda.device_count()``: the launcher knows how many ranks it
+    started on this host, the hardware does not know how the user wants the job split into nodes.
     """
-    if setting is None or setting == "auto":
+    if setting is None:
         env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
         if env is None:
-            raise ValueError("sdp4bit.topology.gpus_per_node is 'auto' but LOCAL_WORLD_SIZE is not set (the "
-                             "deepspeed launcher and torchrun set it); set gpus_per_node to an integer")
+            raise ValueError("sdp4bit.topology.gpus_per_node is omitted (= the launcher's LOCAL_WORLD_SIZE) but "
+                             "LOCAL_WORLD_SIZE is not set (the deepspeed launcher and torchrun set it); set "
+                             "gpus_per_node to an integer")
         gpn = int(env)
     else:
         gpn = int(setting)
@@ -104,7 +105,7 @@ class Topology:
         return self.shape.local_of(self.rank)
 
     @classmethod
-    def build(cls, gpus_per_node: Union[str, int], group=None) -> "Topology":
+    def build(cls, gpus_per_node: Optional[int], group=None) -> "Topology":
         """Create the topology over ``group`` (default: WORLD) with subgroups on every rank.
 
         Only a data-parallel group equal to the world is supported for now: creating the subgroups of several

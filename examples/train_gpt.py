@@ -61,8 +61,8 @@ import time
 _T_PROCESS = time.perf_counter()  # startup phases are logged relative to this
 
 # Must happen before torch is imported: CUDA_VISIBLE_DEVICES is read once.  Each rank then sees one GPU,
-# which makes DeepSpeed (ZeRO++ counts nodes as world_size / device_count) and sdp4bit's "auto" topology
-# treat every rank as its own node.
+# which makes DeepSpeed (ZeRO++ counts nodes as world_size / device_count) and sdp4bit's automatic topology
+# (gpus_per_node omitted) treat every rank as its own node.
 if "--one-gpu-per-rank" in sys.argv:
     _local = int(os.environ.get("LOCAL_RANK", "0"))
     _visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -21,7 +21,7 @@ def test_defaults_follow_the_paper():
     assert c.active and c.weights.mode == "diff" and c.weights.bits == 4 and c.weights.group_size == 2048
     assert (c.gradients.intra_bits, c.gradients.inter_bits, c.gradients.group_size) == (8, 4, 128)
     assert c.gradients.hadamard and c.gradients.hadamard_size == 32
-    assert c.topology.gpus_per_node == "auto" and c.kernel_backend == "auto"
+    assert c.topology.gpus_per_node is None and c.kernel_backend is None and c.backend_name == "auto"
 
 
 def test_absent_block_is_inactive():
@@ -117,3 +117,54 @@ def test_every_shipped_config_parses():
         cfg = parse_ds_config(json.loads(f.read_text()))
         assert isinstance(cfg, SDP4BitConfig)
         assert cfg.active == ("sdp4bit" in json.loads(f.read_text())), f.name
+
+
+# --------------------------------------------------------------------------------------------------------
+# values that must survive Hugging Face accelerate, and the JSON quirks of issue 22
+# --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block, where, meant", [
+    ({"topology": {"gpus_per_node": "auto"}}, "sdp4bit.topology.gpus_per_node", "LOCAL_WORLD_SIZE"),
+    ({"kernel_backend": "auto"}, "sdp4bit.kernel_backend", "fastest kernel backend"),
+    ({"gradients": {"group_size": "AUTO"}}, "sdp4bit.gradients.group_size", "its default"),
+])
+def test_auto_is_refused_naming_the_key_and_saying_to_omit_it(block, where, meant):
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_block(block)
+    msg = str(e.value)
+    assert where in msg and "omit the key" in msg and meant in msg and "accelerate" in msg
+
+
+def test_no_auto_string_in_shipped_configs():
+    # accelerate treats any "auto" anywhere in a ds_config as its placeholder; ours are omitted keys
+    for path in sorted(CONFIG_DIR.glob("*.json")):
+        assert '"auto"' not in path.read_text(), path.name
+
+
+@pytest.mark.parametrize("block, where", [
+    ({"topology": {"gpus_per_node": True}}, "sdp4bit.topology.gpus_per_node"),
+    ({"seed": False}, "sdp4bit.seed"),
+    ({"weights": {"bits": True}}, "sdp4bit.weights.bits"),
+    ({"gradients": {"pipeline_chunks": True}}, "sdp4bit.gradients.pipeline_chunks"),
+])
+def test_booleans_are_not_integers(block, where):
+    with pytest.raises(SDP4BitConfigError, match=where.replace(".", r"\.") + ": must be an integer, got (true|false)"):
+        parse_block(block)
+
+
+def test_booleans_still_fine_for_boolean_keys():
+    c = parse_block({"enabled": True, "gradients": {"hadamard": False}})
+    assert c.active and not c.gradients.hadamard
+
+
+def test_string_stage_is_read_like_deepspeed_reads_it():
+    assert parse_ds_config({**_zero3(), "zero_optimization": {"stage": "3"}, "sdp4bit": {}}).active
+    with pytest.raises(SDP4BitConfigError, match="stage = 3.*got '2'"):
+        parse_ds_config({**_zero3(), "zero_optimization": {"stage": "2"}, "sdp4bit": {}})
+
+
+def test_null_block_is_an_error_like_any_non_object():
+    with pytest.raises(SDP4BitConfigError, match=r"null.*\{\"enabled\": false\}"):
+        parse_ds_config({**_zero3(), "sdp4bit": None})
+    with pytest.raises(SDP4BitConfigError, match="JSON object"):
+        parse_ds_config({**_zero3(), "sdp4bit": True})
+    assert not parse_ds_config({**_zero3(), "sdp4bit": {"enabled": False}}).active

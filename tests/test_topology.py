@@ -21,13 +21,13 @@ def test_shape_arithmetic():
 def test_resolve_gpus_per_node(monkeypatch):
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert resolve_gpus_per_node("auto", 8) == 2
+    assert resolve_gpus_per_node(None, 8) == 2
     assert resolve_gpus_per_node(4, 8) == 4
     with pytest.raises(ValueError, match="divide"):
         resolve_gpus_per_node(3, 8)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE"):
-        resolve_gpus_per_node("auto", 8)
+        resolve_gpus_per_node(None, 8)
 
 
 def _groups_worker(rank, world, gpus_per_node):
@@ -51,7 +51,7 @@ def test_groups_on_four_gloo_ranks(gpn):
 
 
 def _auto_worker(rank, world):
-    return Topology.build("auto").gpus_per_node
+    return Topology.build(None).gpus_per_node
 
 
 def test_auto_uses_the_launchers_local_size_not_the_hardware():

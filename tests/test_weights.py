@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deepspeed_sdp4bit import reference as R
-from deepspeed_sdp4bit.collectives.weights import WeightDeltaAllGather
+from deepspeed_sdp4bit.collectives.weights import WeightDeltaAllGather, expected_wire_bytes
 from deepspeed_sdp4bit.config import WeightsConfig
 from deepspeed_sdp4bit.ops import get_backend
 from deepspeed_sdp4bit.segments import make_segment_plan
@@ -282,7 +282,7 @@ def _worker(rank, world, shapes):
 def _autograd_check(rank, world, topo):
     """DeepSpeed's fp32 master partitions are Parameters (requires_grad=True).  A refresh that recorded an
     autograd graph would chain it onto the persistent replica buffers and leak memory every step."""
-    from deepspeed_sdp4bit.collectives.weights import WeightDeltaAllGather
+    from deepspeed_sdp4bit.collectives.weights import WeightDeltaAllGather, expected_wire_bytes
 
     wsync = WeightDeltaAllGather(topo, WeightsConfig(replica="full"), seed=0, backend="torch", level="full")
     M = 4096
@@ -437,6 +437,10 @@ def test_stats_bytes(shape):
             assert ws.get("intra", 0) == ss["bytes_by_level"].get("intra", 0) == 2 * intra_rows * M * 2
             # Baseline: the same schedule carrying M bf16 values per source.
             assert st["baseline_bytes"] == n_act * ((N - 1) + intra_rows) * M * 2
+            # The formula the environment report uses says the same, level by level.
+            f = expected_wire_bytes(M, sh, WeightsConfig(bits=bits, group_size=gs), level, r)
+            assert (f["inter"] * n_act, f["intra"] * n_act, f["baseline"] * n_act) == (
+                st["bytes_by_level"].get("inter", 0), st["bytes_by_level"].get("intra", 0), st["baseline_bytes"])
             if N > 1:
                 assert res[name]["bpv_inter"] == bits + 32 / gs
             if level == "node":

@@ -70,7 +70,7 @@ from .. import reference as R
 from ..config import WeightsConfig
 from ..ops import get_backend
 from ..segments import SegmentPlan, make_segment_plan
-from ..topology import Topology
+from ..topology import Topology, TopologyShape
 from .stats import CommStats
 from .buffers import BufferPool
 
@@ -80,6 +80,64 @@ DstItem = Union[torch.Tensor, Tuple[torch.Tensor, int], SegmentPlan]
 DstMap = Dict[int, Union[SegmentPlan, Sequence[DstItem]]]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def sources_needed(shape: TopologyShape, level: str, rank: int) -> List[int]:
+    """Data-parallel source ranks whose partitions ``rank`` keeps at ``level``, ascending."""
+    W, N = shape.world_size, shape.num_nodes
+    if not 0 <= rank < W:
+        raise ValueError(f"rank must be in [0, {W}), got {rank}")
+    if level == "full":
+        return list(range(W))
+    l = shape.local_of(rank)
+    return list(range(l * N, l * N + N))
+
+
+def make_plan(shape: TopologyShape, level: str, rank: int) -> dict:
+    """Row layouts and split counts of both transport levels for one rank (pure topology arithmetic)."""
+    sh, r = shape, rank
+    N, g = sh.num_nodes, sh.gpus_per_node
+    l = sh.local_of(r)
+    inter_sources = [sh.rank_of(n2, l) for n2 in range(N)]  # row n2 of the inter all-gather result
+    plan = {"inter_sources": inter_sources}
+    if level == "full":
+        plan["intra_needed"] = g > 1
+        # intra all-gather output is [g, N] rows: row (l2, n2) holds source n2*g + l2.
+        plan["out_sources"] = [sh.rank_of(n2, l2) for l2 in range(g) for n2 in range(N)]
+        plan["intra_sent_rows"] = (g - 1) * N
+    else:
+        # With one node every rank keeps only its own partition; with one rank per node the inter
+        # result is already everything: no intra step in either case.
+        plan["intra_needed"] = N > 1 and g > 1
+        dest = [s // N for s in inter_sources]  # the local index that keeps each inter row
+        plan["send_rows"] = [dest.count(l2) for l2 in range(g)]
+        mine = sources_needed(sh, level, r)
+        by_peer = [[s for s in mine if sh.local_of(s) == l2] for l2 in range(g)]
+        plan["recv_rows"] = [len(x) for x in by_peer]
+        plan["out_sources"] = [s for x in by_peer for s in x]
+        plan["intra_sent_rows"] = sum(c for l2, c in enumerate(plan["send_rows"]) if l2 != l)
+    if not plan["intra_needed"]:
+        # Then the inter rows are exactly what this rank keeps (g == 1: all sources; N == 1 at node
+        # level: itself).
+        plan["out_sources"] = inter_sources
+        plan["intra_sent_rows"] = 0
+    return plan
+
+
+def expected_wire_bytes(M: int, shape: TopologyShape, cfg: WeightsConfig, level: Optional[str] = None,
+                        rank: int = 0, dtype: torch.dtype = torch.bfloat16) -> Dict[str, int]:
+    """Bytes ``rank`` sends in one :meth:`WeightDeltaAllGather.refresh` of an ``M``-element shard, by the
+    formula of the module docstring (what ``stats`` counts): ``inter``, ``intra``, ``total`` and
+    ``baseline`` (the same schedule with the unquantized values of ``dtype``)."""
+    level = cfg.replica if level is None else level
+    plan = make_plan(shape, level, rank)
+    Mpad = R.padded_numel(M, cfg.group_size)
+    B = R.payload_bytes(Mpad, cfg.bits) + 4 * (Mpad // cfg.group_size)
+    inter_rows = shape.num_nodes - 1
+    intra_rows = plan["intra_sent_rows"] if plan["intra_needed"] else 0
+    size = torch.empty((), dtype=dtype).element_size()
+    return {"inter": inter_rows * B, "intra": intra_rows * B, "total": (inter_rows + intra_rows) * B,
+            "baseline": (inter_rows + intra_rows) * M * size}
 
 
 class WeightDeltaAllGather:
@@ -140,44 +198,10 @@ class WeightDeltaAllGather:
     # ------------------------------------------------------------------------------------------------------
     def sources_needed(self, rank: Optional[int] = None) -> List[int]:
         """Data-parallel source ranks whose partitions ``rank`` (default: this rank) keeps, ascending."""
-        rank = self.rank if rank is None else rank
-        W, N = self.shape.world_size, self.shape.num_nodes
-        if not 0 <= rank < W:
-            raise ValueError(f"rank must be in [0, {W}), got {rank}")
-        if self.level == "full":
-            return list(range(W))
-        l = self.shape.local_of(rank)
-        return list(range(l * N, l * N + N))
+        return sources_needed(self.shape, self.level, self.rank if rank is None else rank)
 
     def _make_plan(self) -> dict:
-        """Row layouts and split counts of both transport levels (pure topology arithmetic)."""
-        sh, r = self.shape, self.rank
-        N, g = sh.num_nodes, sh.gpus_per_node
-        l = sh.local_of(r)
-        inter_sources = [sh.rank_of(n2, l) for n2 in range(N)]  # row n2 of the inter all-gather result
-        plan = {"inter_sources": inter_sources}
-        if self.level == "full":
-            plan["intra_needed"] = g > 1
-            # intra all-gather output is [g, N] rows: row (l2, n2) holds source n2*g + l2.
-            plan["out_sources"] = [sh.rank_of(n2, l2) for l2 in range(g) for n2 in range(N)]
-            plan["intra_sent_rows"] = (g - 1) * N
-        else:
-            # With one node every rank keeps only its own partition; with one rank per node the inter
-            # result is already everything: no intra step in either case.
-            plan["intra_needed"] = N > 1 and g > 1
-            dest = [s // N for s in inter_sources]  # the local index that keeps each inter row
-            plan["send_rows"] = [dest.count(l2) for l2 in range(g)]
-            mine = self.sources_needed(r)
-            by_peer = [[s for s in mine if sh.local_of(s) == l2] for l2 in range(g)]
-            plan["recv_rows"] = [len(x) for x in by_peer]
-            plan["out_sources"] = [s for x in by_peer for s in x]
-            plan["intra_sent_rows"] = sum(c for l2, c in enumerate(plan["send_rows"]) if l2 != l)
-        if not plan["intra_needed"]:
-            # Then the inter rows are exactly what this rank keeps (g == 1: all sources; N == 1 at node
-            # level: itself).
-            plan["out_sources"] = inter_sources
-            plan["intra_sent_rows"] = 0
-        return plan
+        return make_plan(self.shape, self.level, self.rank)
 
     # ------------------------------------------------------------------------------------------------------
     # argument checks

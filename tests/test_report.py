@@ -1,0 +1,149 @@
+"""``python -m deepspeed_sdp4bit``: the environment report, the config linter, and the bytes model behind it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepspeed_sdp4bit import __main__ as report
+from deepspeed_sdp4bit.collectives import gradients as G
+from deepspeed_sdp4bit.collectives import weights as Wt
+from deepspeed_sdp4bit.config import SDP4BitConfig, SDP4BitConfigError, parse_block, parse_ds_config
+from deepspeed_sdp4bit.step_bytes import node_link_bytes, step_bytes, totals
+from deepspeed_sdp4bit.topology import TopologyShape
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+
+
+def _write(tmp_path, cfg, name="ds.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(cfg))
+    return str(p)
+
+
+def test_environment_report_names_versions_and_backends(capsys):
+    assert report.main([]) == 0
+    out = capsys.readouterr().out
+    for key in ("torch:", "deepspeed:", "triton:", "nvcc:", "ninja:", "kernel backends:", "cuda op:",
+                "buildable:"):
+        assert key in out, key
+    assert f"torch: {torch.__version__}" in out
+    assert "  torch: usable" in out
+    if not torch.cuda.is_available():
+        assert "  cuda: not usable: no CUDA device" in out
+
+
+def test_linter_ok_prints_levels_and_bytes(capsys):
+    rc = report.main(["--ds-config", str(CONFIGS / "sdp4bit.json"), "--world", "16", "--gpus-per-node", "8",
+                      "--params", "1.3e9"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "2 node(s) x 8 GPU(s)" in out and "zero_hpz_partition_size=8" in out
+    assert "intra-node all-to-all over 8 ranks: 8-bit" in out and "inter-node all-to-all over 2 ranks: 4-bit" in out
+    for scheme in ("zero3:", "zero++:", "sdp4bit:"):
+        assert scheme in out
+
+
+def test_plan_bytes_are_the_models():
+    ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
+    p = report.plan(ds, 16, 8, 10 ** 9)
+    shape, cfg = TopologyShape(2, 8), SDP4BitConfig.model_validate(p["cfg"])   # automatic choices made
+    for scheme in ("zero3", "zero++", "sdp4bit"):
+        assert p["bytes"][scheme]["totals"] == totals(step_bytes(scheme, 10 ** 9, shape, cfg))
+    s, z = p["bytes"]["sdp4bit"], p["bytes"]["zero3"]
+    assert s["node_link"] < 0.2 * z["node_link"]     # ~4 bits instead of 3 x 16 across nodes
+
+
+def test_omitted_topology_uses_gpus_per_node_and_config_value_wins(capsys):
+    ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
+    assert report.plan(ds, 8, 4)["shape"] == [2, 4]
+    ds["sdp4bit"]["topology"] = {"gpus_per_node": 2}
+    assert report.plan(ds, 8, 4)["shape"] == [4, 2]
+    del ds["sdp4bit"]["topology"]
+    with pytest.raises(SDP4BitConfigError, match="LOCAL_WORLD_SIZE"):
+        report.plan(ds, 8, None)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda c: c["sdp4bit"].update(kernel_backend="auto"),
+    lambda c: c["zero_optimization"].update(stage=2),
+    lambda c: c["sdp4bit"]["weights"].update(bitz=4),
+    lambda c: c["sdp4bit"].update(topology={"gpus_per_node": True}),
+    lambda c: c.update(sdp4bit=None),
+    lambda c: c["zero_optimization"].update(zero_quantized_gradients=True),
+])
+def test_linter_gives_the_runtime_error_and_exit_1(tmp_path, capsys, mutate):
+    cfg = json.loads((CONFIGS / "sdp4bit.json").read_text())
+    mutate(cfg)
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_ds_config(cfg)
+    assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "4", "--gpus-per-node", "2"]) == 1
+    assert str(e.value) in capsys.readouterr().err
+
+
+def test_linter_refuses_a_topology_that_does_not_divide_the_world(capsys):
+    assert report.main(["--ds-config", str(CONFIGS / "sdp4bit.json"), "--world", "6", "--gpus-per-node", "4"]) == 1
+    assert "must divide the data-parallel world size 6" in capsys.readouterr().err
+
+
+def test_plain_config_passes(capsys):
+    assert report.main(["--ds-config", str(CONFIGS / "zero3.json"), "--world", "8", "--gpus-per-node", "8"]) == 0
+    assert "no active sdp4bit block" in capsys.readouterr().out
+
+
+def test_every_shipped_config_lints():
+    for path in sorted(CONFIGS.glob("*.json")):
+        report.plan(json.loads(path.read_text()), 16, 8, 10 ** 8)
+
+
+def test_command_line_exit_status(tmp_path):
+    bad = _write(tmp_path, {"zero_optimization": {"stage": 3}, "sdp4bit": {"seed": "auto"}})
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "deepspeed_sdp4bit", "--ds-config", bad, "--world", "2",
+                        "--gpus-per-node", "2"], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 1 and "sdp4bit.seed" in p.stderr and "omit the key" in p.stderr
+
+
+# ----- the bytes model --------------------------------------------------------------------------------------
+def test_zero3_rows_are_three_bf16_rings():
+    P, shape = 1000003, TopologyShape(2, 4)
+    S = -(-P // 8)
+    t = totals(step_bytes("zero3", P, shape, accum=2))
+    assert t == {"world": 2 * 3 * 7 * S * 2, "total": 2 * 3 * 7 * S * 2}
+
+
+def test_sdp4bit_rows_are_the_collectives_formulas():
+    P, shape = 10 ** 6, TopologyShape(2, 4)
+    cfg = parse_block({"weights": {"replica": "node"}})  # an omitted replica is chosen per run (plan_run)
+    S = -(-P // 8)
+    rows = step_bytes("sdp4bit", P, shape, cfg)
+    by = {(r["collective"], r["level"]): r["bytes"] for r in rows}
+    g = G.expected_wire_bytes(S, shape, cfg.gradients)
+    assert by[("gradient all-to-all (TLq-HS)", "intra")] == g["intra"]
+    assert by[("gradient all-to-all (TLq-HS)", "inter")] == g["inter"]
+    w = max((Wt.expected_wire_bytes(S, shape, cfg.weights, "node", r) for r in range(4)), key=lambda d: d["total"])
+    assert by[("weight refresh (qWD)", "inter")] == w["inter"]
+    assert by[("forward all-gather (node replica)", "intra")] == 3 * (P // 4) * 2
+
+
+def test_disabled_halves_fall_back_to_zero3_rows():
+    P, shape = 10 ** 6, TopologyShape(2, 2)
+    off = parse_block({"weights": {"enabled": False}, "gradients": {"enabled": False}})
+    assert totals(step_bytes("sdp4bit", P, shape, off)) == totals(step_bytes("zero3", P, shape))
+
+
+def test_node_link_matches_the_per_value_model():
+    # what crosses one node's link per step, (N - 1) / N of each payload: ZeRO-3 6 bytes per parameter,
+    # SDP4Bit (4 + 32/2048)/8 + (4 + 32/128)/8 (the default block)
+    P, shape = 2 ** 24, TopologyShape(4, 8)
+    z = node_link_bytes(step_bytes("zero3", P, shape), shape)
+    s = node_link_bytes(step_bytes("sdp4bit", P, shape, parse_block({"weights": {"replica": "node"}})), shape)
+    assert z == pytest.approx(3 / 4 * P * 6, rel=1e-6)
+    assert s == pytest.approx(3 / 4 * P * ((4 + 32 / 2048) / 8 + (4 + 32 / 128) / 8), rel=1e-3)
