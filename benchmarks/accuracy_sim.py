@@ -51,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 from gpt import GPT, GPTConfig  # noqa: E402
 from data import WindowSampler, load_corpus, split_corpus  # noqa: E402
 from deepspeed_sdp4bit import reference as R  # noqa: E402
+from deepspeed_sdp4bit.ops import get_backend  # noqa: E402
 from deepspeed_sdp4bit.collectives.gradients import simulate_reduce_scatter  # noqa: E402
 from deepspeed_sdp4bit.config import GradientsConfig, WeightsConfig  # noqa: E402
 from deepspeed_sdp4bit.topology import TopologyShape  # noqa: E402
@@ -102,9 +103,9 @@ class Partition:
         self.M = sum(self.parts)
 
     def to_part(self, fulls: List[torch.Tensor], dtype) -> torch.Tensor:
-        out = torch.zeros(self.W, self.M, dtype=dtype)
+        out = torch.zeros(self.W, self.M, dtype=dtype, device=fulls[0].device)
         for t, n, P, o in zip(fulls, self.numels, self.parts, self.offs):
-            buf = torch.zeros(self.W * P, dtype=dtype)
+            buf = torch.zeros(self.W * P, dtype=dtype, device=t.device)
             buf[:n] = t.reshape(-1)
             out[:, o:o + P] = buf.view(self.W, P)
         return out
@@ -155,10 +156,11 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
     gcfg = GradientsConfig(**{**SDP_GRADS, **spec["grads"]}) if spec["grads"] is not None else None
     wcfg = WeightsConfig(**{**SDP_WEIGHTS, **spec["weights"]}) if spec["weights"] is not None else None
     model = GPT(GPTConfig(d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, seq_len=a.seq),
-                seed=a.model_seed).to(torch.bfloat16)
+                seed=a.model_seed).to(device=a.device, dtype=torch.bfloat16)
     names = [n for n, _ in model.named_parameters()]
     params = [p for _, p in model.named_parameters()]
     part = Partition(params, W)
+    be = get_backend(a.backend, torch.device(a.device))
     master = part.to_part([p.detach().float() for p in params], torch.float32).view(-1).requires_grad_(False)
     master_param = torch.nn.Parameter(master)
     opt = torch.optim.AdamW([master_param], lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -182,7 +184,7 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
         for r in range(W):
             x, y = samplers[r].batch(step, 0)
             model.zero_grad(set_to_none=True)
-            loss = model(x, y)
+            loss = model(x.to(a.device), y.to(a.device))
             loss.backward()
             grads_r.append([p.grad.detach().clone() for p in params])
             loss_r.append(float(loss.detach()))
@@ -194,7 +196,8 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
             full = [None] * len(params)
             for b, idx in enumerate(buckets):
                 outs = simulate_reduce_scatter([[grads_r[r][i] for i in idx] for r in range(W)], shape, gcfg,
-                                               a.sdp_seed, step=step, bucket_id=b, op="mean")
+                                               a.sdp_seed, step=step, bucket_id=b, op="mean",
+                                               backend=a.backend)
                 for k, i in enumerate(idx):
                     full[i] = torch.cat([outs[d][k] for d in range(W)]).float().view(params[i].shape)
         rec = {}
@@ -217,8 +220,8 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
         else:
             for r in range(W):
                 key = (R.make_key(a.sdp_seed, step, 0, r) if wcfg.rounding == "stochastic" else None)
-                R.weight_delta_quantize(m[r], own[r], wcfg.bits, wcfg.group_size, wcfg.rounding, key, 0,
-                                        wcfg.mode)
+                be.weight_delta_quantize(m[r], own[r], wcfg.bits, wcfg.group_size, wcfg.rounding, key, 0,
+                                         wcfg.mode)
         load_weights()
         if probe:
             mf, of = part.to_full(m), part.to_full(own.float())
@@ -232,14 +235,127 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
             print(f"  {variant} {topo} seed {data_seed} step {step} loss {losses[-1]:.4f} "
                   f"({time.time() - t0:.0f} s)", flush=True)
     with torch.no_grad():
-        held_loss = sum(float(model(*evals[r].eval_batch(i))) for r in range(W) for i in range(a.eval_batches))
+        held_loss = sum(float(model(*(t.to(a.device) for t in evals[r].eval_batch(i))))
+                        for r in range(W) for i in range(a.eval_batches))
     k = min(50, a.steps)
     return {"variant": variant, "topology": topo, "data_seed": data_seed, "steps": a.steps,
             "grads": gcfg.model_dump() if gcfg else None, "weights": wcfg.model_dump() if wcfg else None,
             "train_loss": sum(losses[-k:]) / k, "heldout_loss": held_loss / (W * a.eval_batches),
             "losses": losses, "probes": probes, "seconds": time.time() - t0,
-            "final_weights": {n: w.clone() for n, w in zip(names, part.to_full(own.float()))},
+            "final_weights": {n: w.cpu() for n, w in zip(names, part.to_full(own.float()))},
             "classes": {n: param_class(n) for n in names}, "numels": dict(zip(names, part.numels))}
+
+
+TABLE_CONFIGS = {   # gradient configs of the error table: name -> overrides of SDP_GRADS
+    "tlq_hs": {}, "tlq_hs_packed": PACKED,
+    "tlq": {"hadamard": False}, "tlq_packed": {"hadamard": False, **PACKED},
+    "tlq_hs_nearest": {"rounding": "nearest"}, "tlq_hs_nearest_packed": {"rounding": "nearest", **PACKED},
+    "tlq_hs_g32_packed": {"group_size": 32, **PACKED},
+    "tlq_hs_g512": {"group_size": 512}, "tlq_hs_g512_packed": {"group_size": 512, **PACKED},
+    "ulq_packed": {"intra_bits": 4, "hadamard": False, **PACKED},
+    "8bit_both_packed": {"inter_bits": 8, **PACKED},
+}
+
+
+def error_table(a, corpus) -> dict:
+    """Per-tensor relative error of the reduced gradient for many configs, on the same real gradients.
+
+    The model is trained with exact ZeRO-3 for ``--table-warm`` steps; then, for ``--table-batches`` steps'
+    batches, the W ranks' gradients are reduced exactly and through every config of TABLE_CONFIGS on every
+    topology; per tensor the error is ``||q - e|| / ||e||``, summarised per parameter class (median, max) over
+    tensors and batches.
+    """
+    W = 4
+    model = GPT(GPTConfig(d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, seq_len=a.seq),
+                seed=a.model_seed).to(torch.bfloat16)
+    if a.table_warm:
+        warm = argparse.Namespace(**{**vars(a), "steps": a.table_warm, "probe_every": 0})
+        w = run(warm, "zero3", "2x2", a.data_seeds[0], corpus)["final_weights"]
+        for n, p in model.named_parameters():
+            p.data.copy_(w[n])
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    train, _ = split_corpus(corpus)
+    samplers = [WindowSampler(train, a.seq, a.micro_batch, a.data_seeds[0], r, W) for r in range(W)]
+    errs: Dict[str, Dict[str, List[float]]] = {}
+    for b in range(a.table_batches):
+        grads_r = []
+        for r in range(W):
+            model.zero_grad(set_to_none=True)
+            model(*samplers[r].batch(a.table_warm + b, 0)).backward()
+            grads_r.append([p.grad.detach().clone() for p in params])
+        ex = [exact_reduce([grads_r[r][i] for r in range(W)], W) for i in range(len(params))]
+        for topo in a.topologies:
+            shape = TopologyShape(*(int(x) for x in topo.split("x")))
+            for cname, over in TABLE_CONFIGS.items():
+                cfg = GradientsConfig(**{**SDP_GRADS, **over})
+                outs = simulate_reduce_scatter(grads_r, shape, cfg, a.sdp_seed, step=a.table_warm + b)
+                d = errs.setdefault(f"{cname}@{topo}", {})
+                for i, n in enumerate(names):
+                    q = torch.cat([outs[r][i] for r in range(W)]).float()
+                    e = ex[i].reshape(-1)
+                    d.setdefault(n, []).append(float((q - e).norm() / e.norm().clamp_min(1e-30)))
+    classes = {n: param_class(n) for n in names}
+    summary = {}
+    for key, per in errs.items():
+        row = {}
+        for c in sorted(set(classes.values())):
+            vals = sorted(v for n, vs in per.items() if classes[n] == c for v in vs)
+            row[c] = {"median": vals[len(vals) // 2], "max": vals[-1]}
+        summary[key] = row
+    return {"summary": summary, "per_tensor": {k: {n: sum(v) / len(v) for n, v in per.items()}
+                                              for k, per in errs.items()},
+            "classes": classes, "warm_steps": a.table_warm, "batches": a.table_batches}
+
+
+def _median(vals):
+    vals = sorted(vals)
+    return vals[len(vals) // 2] if vals else float("nan")
+
+
+def report(runs: List[dict]) -> str:
+    """Markdown tables from the runs of one or more ``--out`` files (what the README shows)."""
+    lines = []
+    z = {r["data_seed"]: r for r in runs if r["variant"] == "zero3"}
+    zl = sorted(r["train_loss"] for r in z.values())
+    zh = sorted(r["heldout_loss"] for r in z.values())
+    if zl:
+        mean = sum(zl) / len(zl)
+        lines.append(f"ZeRO-3 over {len(zl)} data seed(s): train loss (mean of the last 50 steps) {zl[0]:.4f} .. "
+                     f"{zl[-1]:.4f} (band {100 * (zl[-1] - zl[0]) / mean:.2f}% of the mean {mean:.4f}); "
+                     f"held-out {zh[0]:.4f} .. {zh[-1]:.4f}.")
+        lines.append("")
+    lines.append("| variant | topology | data seed | steps | train loss | vs ZeRO-3 (same seed) | held-out | vs ZeRO-3 |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in sorted(runs, key=lambda r: (r["variant"] != "zero3", r["topology"], r["variant"], r["data_seed"])):
+        ref = z.get(r["data_seed"])
+        gap = f"{100 * (r['train_loss'] / ref['train_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
+        hgap = f"{100 * (r['heldout_loss'] / ref['heldout_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
+        topo = "any" if r["variant"] == "zero3" else r["topology"]
+        lines.append(f"| {r['variant']} | {topo} | {r['data_seed']} | {r['steps']} | {r['train_loss']:.4f} | {gap} | "
+                     f"{r['heldout_loss']:.4f} | {hgap} |")
+    lines.append("")
+    classes = sorted({c for r in runs for c in r["classes"].values()})
+    lines.append("Per parameter class, median over tensors (and probes every 25 steps): relative error of the "
+                 "reduced gradient vs the exact reduce of the same local gradients; of the bf16 weights the "
+                 "model runs on vs the fp32 master (bf16(master) for reference); final distance to the ZeRO-3 "
+                 "run of the same seed.")
+    lines.append("")
+    lines.append("| variant | topology | seed | " + " | ".join(
+        f"{c}: grad err / weight err / dist" for c in classes) + " |")
+    lines.append("|---|---|---|" + "---|" * len(classes))
+    for r in sorted(runs, key=lambda r: (r["topology"], r["variant"], r["data_seed"])):
+        cells = []
+        for c in classes:
+            names = [n for n, k in r["classes"].items() if k == c]
+            ge = _median([p["grad_rel_err"][n] for p in r["probes"] for n in names if "grad_rel_err" in p])
+            we = _median([p["replica_rel_err"][n] for p in r["probes"] for n in names])
+            be = _median([p["bf16_rel_err"][n] for p in r["probes"] for n in names])
+            dist = _median([r["final_rel_dist_to_zero3"][n] for n in names]) if "final_rel_dist_to_zero3" in r \
+                else float("nan")
+            cells.append(f"{ge:.3f} / {we:.4f} ({be:.4f}) / {dist:.3f}")
+        lines.append(f"| {r['variant']} | {r['topology']} | {r['data_seed']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
@@ -263,11 +379,25 @@ def main(argv=None):
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--probe-every", type=int, default=25)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda: the W ranks share this one device")
+    p.add_argument("--backend", default="torch", help="kernel backend (torch, triton, cuda, auto)")
     p.add_argument("--out", required=True, help="JSON file; runs are appended to it (keyed by variant/topo/seed)")
     p.add_argument("--verbose", action="store_true")
+    p.add_argument("--error-table", action="store_true",
+                   help="instead of training runs: the per-tensor gradient error table (see error_table)")
+    p.add_argument("--table-warm", type=int, default=50)
+    p.add_argument("--table-batches", type=int, default=2)
     p.add_argument("--ref-cache", default="/tmp/accuracy_sim_ref",
                    help="where ZeRO-3 runs leave their final weights for the distance of later runs")
+    p.add_argument("--report", nargs="*", metavar="RUNS_JSON",
+                   help="only print the markdown tables of these --out files (written to --out as .md)")
     a = p.parse_args(argv)
+    if a.report:
+        runs = [r for f in a.report for r in json.loads(Path(f).read_text())["runs"]]
+        text = report(runs)
+        Path(a.out).write_text(text)
+        print(text)
+        return
     torch.set_num_threads(a.threads)
     corpus, desc = load_corpus(None)
     out = Path(a.out)
@@ -276,6 +406,14 @@ def main(argv=None):
                             text=True).stdout.strip()
     args = {k: v for k, v in vars(a).items() if k not in ("variants", "topologies", "data_seeds", "out",
                                                            "verbose", "threads")}
+    if a.error_table:
+        t = error_table(a, corpus)
+        t.update({"args": args, "commit": commit, "corpus": desc})
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(t, indent=1))
+        for key, row in t["summary"].items():
+            print(f"{key:28s} " + "  ".join(f"{c} {v['median']:.3f}/{v['max']:.3f}" for c, v in row.items()))
+        return
     ref_weights = {}
     for seed in a.data_seeds:
         for topo in a.topologies:

@@ -49,10 +49,20 @@ Buffers: all send and receive buffers come from a grow-only pool keyed by (role,
 first call of a given size (or any larger size) no communication buffer is allocated again.  The returned
 tensors are freshly allocated (the caller owns them); they are views of one ``[S_p]`` output.
 
+List layout (:meth:`GradientReducer.reduce_scatter`, what DeepSpeed's buckets go through): tensor ``i`` of
+``n_i`` elements contributes DeepSpeed's piece of ``P_i = ceil(n_i / W)`` elements to every destination
+segment.  DeepSpeed packs the pieces back to back; here each piece starts at a multiple of ``group_size``
+(``cfg.align_params``, :func:`list_layout`), so no quantization group and no Hadamard block holds two
+parameters.  Packed, a bias or norm gain sharing a group with a weight whose gradients are 100-1000x larger
+gets that weight's scale and its values round to noise (issue 21: per-tensor relative errors of 1-10 and a
+loss gap); aligned, every tensor is quantized on its own scale.  The gaps are zeros (fewer than
+``group_size`` per tensor per segment); the outputs are read back from the same columns.
+
 Accounting (:class:`~deepspeed_sdp4bit.collectives.stats.CommStats`): per level, the bytes this rank sends
 to *other* ranks (the share of its all-to-all input addressed to itself never leaves the device, so it is
-excluded), the number of values those bytes carry (padding included), and ``baseline_bytes``: what a ring
-bf16 reduce-scatter of the unpadded segments would send from this rank, ``(W - 1) * S * 2``.
+excluded), the number of values those bytes carry (padding and alignment gaps included), and
+``baseline_bytes``: what a ring bf16 reduce-scatter of the unpadded segments would send from this rank,
+``(W - 1) * S * 2`` (for the list API, S = DeepSpeed's packed ``sum(ceil(n_i / W))``).
 """
 
 from __future__ import annotations
