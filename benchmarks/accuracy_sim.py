@@ -358,6 +358,20 @@ def report(runs: List[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_table(t: dict) -> str:
+    """Markdown of an ``--error-table`` JSON: per config and topology, per class, median / max error."""
+    rows = t["summary"]
+    classes = sorted(next(iter(rows.values())))
+    lines = [f"Relative error ||q - e|| / ||e|| of the reduced gradient per parameter tensor, median / max over the "
+             f"tensors of each class and {t['batches']} batches, after {t['warm_steps']} exact ZeRO-3 steps.", "",
+             "| config | topology | " + " | ".join(classes) + " |", "|---|---|" + "---|" * len(classes)]
+    for key, row in rows.items():
+        name, topo = key.split("@")
+        lines.append(f"| {name} | {topo} | " + " | ".join(f"{row[c]['median']:.3f} / {row[c]['max']:.3f}"
+                                                         for c in classes) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["zero3", "sdp4bit"], choices=sorted(VARIANTS))
@@ -393,8 +407,9 @@ def main(argv=None):
                    help="only print the markdown tables of these --out files (written to --out as .md)")
     a = p.parse_args(argv)
     if a.report:
-        runs = [r for f in a.report for r in json.loads(Path(f).read_text())["runs"]]
-        text = report(runs)
+        docs = [json.loads(Path(f).read_text()) for f in a.report]
+        runs = [r for d in docs for r in d.get("runs", [])]
+        text = "\n".join([report(runs)] * bool(runs) + [report_table(d) for d in docs if "summary" in d])
         Path(a.out).write_text(text)
         print(text)
         return
