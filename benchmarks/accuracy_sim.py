@@ -66,6 +66,9 @@ VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     "zero3": {"grads": None, "weights": None},
     "sdp4bit": {"grads": {}, "weights": {}},
     "sdp4bit_packed": {"grads": PACKED, "weights": {}},
+    # qWD with groups restarting at every parameter's piece of the flat partition (simulated here only: the
+    # weight kernels work on the contiguous flat partition); measures whether the weight side needs it
+    "sdp4bit_wq_aligned": {"grads": {}, "weights": {}, "weights_aligned": True},
     "qwd": {"grads": None, "weights": {}},
     "qw": {"grads": None, "weights": {"mode": "direct"}},
     "tlq_hs": {"grads": {}, "weights": None},
@@ -220,8 +223,13 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
         else:
             for r in range(W):
                 key = (R.make_key(a.sdp_seed, step, 0, r) if wcfg.rounding == "stochastic" else None)
-                be.weight_delta_quantize(m[r], own[r], wcfg.bits, wcfg.group_size, wcfg.rounding, key, 0,
-                                         wcfg.mode)
+                if not spec.get("weights_aligned"):
+                    be.weight_delta_quantize(m[r], own[r], wcfg.bits, wcfg.group_size, wcfg.rounding, key, 0,
+                                             wcfg.mode)
+                    continue
+                for o, P in zip(part.offs, part.parts):   # group g of piece i <-> its own scale
+                    be.weight_delta_quantize(m[r, o:o + P], own[r, o:o + P], wcfg.bits, wcfg.group_size,
+                                             wcfg.rounding, key, o, wcfg.mode)
         load_weights()
         if probe:
             mf, of = part.to_full(m), part.to_full(own.float())
