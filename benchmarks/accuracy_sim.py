@@ -343,8 +343,21 @@ def report(runs: List[dict]) -> str:
         lines.append(f"| {r['variant']} | {topo} | {r['data_seed']} | {r['steps']} | {r['train_loss']:.4f} | {gap} | "
                      f"{r['heldout_loss']:.4f} | {hgap} |")
     lines.append("")
+    lines.append("Paired gap (train loss vs the ZeRO-3 run of the same data seed), per variant and topology:")
+    lines.append("")
+    lines.append("| variant | topology | seeds | mean gap | min .. max |")
+    lines.append("|---|---|---|---|---|")
+    groups: Dict[tuple, List[float]] = {}
+    for r in runs:
+        ref = z.get(r["data_seed"])
+        if r["variant"] != "zero3" and ref:
+            groups.setdefault((r["variant"], r["topology"]), []).append(100 * (r["train_loss"] / ref["train_loss"] - 1))
+    for (v, topo), gaps in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(f"| {v} | {topo} | {len(gaps)} | {sum(gaps) / len(gaps):+.2f}% | {min(gaps):+.2f}% .. "
+                     f"{max(gaps):+.2f}% |")
+    lines.append("")
     classes = sorted({c for r in runs for c in r["classes"].values()})
-    lines.append("Per parameter class, median over tensors (and probes every 25 steps): relative error of the "
+    lines.append("Per parameter class, median over tensors and probes (every 25 or 50 steps): relative error of the "
                  "reduced gradient vs the exact reduce of the same local gradients; of the bf16 weights the "
                  "model runs on vs the fp32 master (bf16(master) for reference); final distance to the ZeRO-3 "
                  "run of the same seed.")
