@@ -50,6 +50,11 @@ def main(argv=None) -> int:
     sub.add_parser("kernels", help="kernel bandwidth (benchmarks/bench_kernels.py's options)", add_help=False)
     sub.add_parser("projection", help="bytes and time per step at scale (benchmarks/projection.py's options)",
                    add_help=False)
+    sub.add_parser("accuracy-sim", help="loss-gap causes: W ranks simulated in one process through the real "
+                   "quantization code (benchmarks/accuracy_sim.py's options)", add_help=False)
+    if argv and argv[0] == "accuracy-sim":
+        from . import accuracy_sim
+        return accuracy_sim.main(argv[1:]) or 0
     if argv and argv[0] in ("kernels", "projection"):
         if argv[0] == "kernels" and "--chunk-counts" in argv:
             from . import bench_chunk_counts

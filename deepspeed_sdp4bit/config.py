@@ -87,6 +87,10 @@ class GradientsConfig(_Strict):
     rounding: Rounding = "stochastic"
     # Split each bucket so chunk i's inter-node all-to-all overlaps chunk i+1's intra-node one.
     pipeline_chunks: int = Field(1, ge=1, le=64)
+    # Each parameter's piece of a bucket starts a new quantization group (and Hadamard block), so a large
+    # gradient's abs-max never sets the scale of a neighbouring bias or norm gain (issue 21); costs < group_size
+    # zeros per parameter per segment.  False = DeepSpeed's packed layout (for ablations).
+    align_params: bool = True
 
     @field_validator("hadamard_size")
     @classmethod

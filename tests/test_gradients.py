@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_sdp4bit.collectives.gradients import (GradientReducer, expected_wire_bytes, make_plan,
+from deepspeed_sdp4bit.collectives.gradients import (GradientReducer, expected_list_wire_bytes,
+                                                     expected_wire_bytes, list_layout, make_plan,
                                                      partition_numels, segment_numel_for,
-                                                     simulate_reduce_scatter_flat)
+                                                     simulate_reduce_scatter, simulate_reduce_scatter_flat)
 from deepspeed_sdp4bit.collectives.stats import CommStats
 from deepspeed_sdp4bit.config import GradientsConfig
 from deepspeed_sdp4bit import reference as R
@@ -176,17 +177,23 @@ def _check_quantized(topo, rank, W, shape):
             bound = _error_bound(xs, shape, cfg, "mean")[rank].double()
             assert bool(((out.double() - exact[rank]).abs() <= bound).all()), bits
 
-    # list API in bf16 is the flat algorithm on DeepSpeed's interleaved layout
-    cfg = GradientsConfig(rounding="stochastic")
+    # list API in bf16: the list simulator's bits (pieces group-aligned); with align_params=False it is
+    # the flat algorithm on DeepSpeed's packed interleaved layout
     tensors = [[torch.randn(n, generator=_gen("l", q, n)).bfloat16() for n in LIST_SIZES] for q in range(W)]
-    outs = GradientReducer(topo, cfg, seed=SEED).reduce_scatter(tensors[rank], step=2, bucket_id=5)
-    sim = simulate_reduce_scatter_flat([_ds_interleave(t, W) for t in tensors], shape, cfg, SEED, step=2,
-                                       bucket_id=5)[rank]
-    col = 0
-    for o, n, chunk in zip(outs, LIST_SIZES, partition_numels(LIST_SIZES, W)):
-        want = sim[col:col + chunk][:max(0, min(chunk, n - rank * chunk))]
-        assert o.dtype == torch.bfloat16 and torch.equal(o, want), n
-        col += chunk
+    for align in (True, False):
+        cfg = GradientsConfig(rounding="stochastic", align_params=align)
+        outs = GradientReducer(topo, cfg, seed=SEED).reduce_scatter(tensors[rank], step=2, bucket_id=5)
+        sim = simulate_reduce_scatter(tensors, shape, cfg, SEED, step=2, bucket_id=5)[rank]
+        assert all(o.dtype == torch.bfloat16 and torch.equal(o, w) for o, w in zip(outs, sim)), align
+        if align:
+            continue
+        flat = simulate_reduce_scatter_flat([_ds_interleave(t, W) for t in tensors], shape, cfg, SEED, step=2,
+                                            bucket_id=5)[rank]
+        col = 0
+        for o, n, chunk in zip(outs, LIST_SIZES, partition_numels(LIST_SIZES, W)):
+            want = flat[col:col + chunk][:max(0, min(chunk, n - rank * chunk))]
+            assert torch.equal(o, want), n
+            col += chunk
 
 
 def _check_hadamard_helps(topo, rank, W):
@@ -242,6 +249,22 @@ def _check_bytes(topo, rank, W, shape):
     assert red16.stats.last_call.get("intra", 0) == (g - 1) * N * S_list * 2
     assert red16.stats.last_call.get("inter", 0) == (N - 1) * S_list * 2
     assert red16.stats.last_baseline_bytes == (W - 1) * S_list * 2
+
+    # the quantized list API: every piece starts a group (LIST_SIZES: pieces 1, 2, 322, 253, 0 at columns
+    # 0, 128, 256, 640, 893: 893 values, 896 with the group padding, where the packed layout has 578 -> 640)
+    for align, S_wire in ((True, 896), (False, 640)):
+        cfg = GradientsConfig(intra_bits=8, inter_bits=4, group_size=128, align_params=align)
+        redl = GradientReducer(topo, cfg, seed=SEED)
+        redl.reduce_scatter(_int_tensors(rank, torch.bfloat16))
+        want = {"intra": (g - 1) * N * S_wire * (8 / 8 + 4 / 128), "inter": (N - 1) * S_wire * (4 / 8 + 4 / 128)}
+        got = redl.stats.last_call
+        assert got.get("intra", 0) == want["intra"] and got.get("inter", 0) == want["inter"], (align, got)
+        assert redl.stats.last_baseline_bytes == (W - 1) * S_list * 2
+        formula = expected_list_wire_bytes(LIST_SIZES, shape, cfg)
+        assert (formula["intra"], formula["inter"], formula["padded_segment"]) == (
+            want["intra"], want["inter"], S_wire), (align, formula)
+        assert formula["align_padding"] == (893 - S_list if align else 0)
+        assert formula["baseline"] == (W - 1) * S_list * 2
 
     # buffer reuse: no new communication buffer for a repeated or smaller size
     n_alloc = red.buffer_allocations()
@@ -393,6 +416,46 @@ def test_plan_chunks_are_group_aligned_and_cover_the_segment():
     # both levels at 16 bits: no padding, no transform
     plan = make_plan(300, shape, GradientsConfig(intra_bits=16, inter_bits=16))
     assert plan.padded == 300 and plan.hadamard is None
+
+
+def test_list_layout_starts_every_piece_on_a_group():
+    parts, cols, S = list_layout(LIST_SIZES, WORLD, 1)            # DeepSpeed's packed layout
+    assert parts == [1, 2, 322, 253, 0] and cols == [0, 1, 3, 325, 578] and S == 578
+    parts, cols, S = list_layout(LIST_SIZES, WORLD, 128)
+    assert cols == [0, 128, 256, 640, 893] and S == 893
+    # 16-bit levels: nothing is quantized, so nothing is aligned
+    cfg16 = GradientsConfig(intra_bits=16, inter_bits=16)
+    assert expected_list_wire_bytes(LIST_SIZES, TopologyShape(2, 2), cfg16)["align_padding"] == 0
+
+
+def _crush_bucket(W):
+    """A bucket like DeepSpeed's: a weight with O(1) gradients, a bias with 1e-3 gradients, an odd-sized
+    weight, a norm gain with 1e-4 gradients (the small ones share groups with the large ones when packed)."""
+    sizes, scales = [1000, 40, 1285, 24], [1.0, 1e-3, 1.0, 1e-4]
+    return [[(torch.randn(n, generator=_gen("crush", q, n)) * s + s).bfloat16() for n, s in zip(sizes, scales)]
+            for q in range(W)]
+
+
+@pytest.mark.parametrize("nodes,gpus", [(2, 2), (4, 1), (1, 4)])
+def test_small_gradients_next_to_large_ones_survive(nodes, gpus):
+    """Issue 21: a large gradient's abs-max must not set the scale of a neighbouring bias or norm gain."""
+    shape = TopologyShape(nodes, gpus)
+    W = shape.world_size
+    tensors = _crush_bucket(W)
+    exact = [sum(tensors[q][i].double() for q in range(W)) / W for i in range(len(tensors[0]))]
+    rel = {}
+    for align in (True, False):
+        # the default config must be the aligned one: this test fails with the packed layout as default
+        cfg = GradientsConfig() if align else GradientsConfig(align_params=False)
+        outs = simulate_reduce_scatter(tensors, shape, cfg, SEED, step=1)
+        rel[align] = []
+        for i, e in enumerate(exact):
+            got = torch.cat([outs[r][i].double() for r in range(W)])
+            rel[align].append(float((got - e).norm() / e.norm()))
+    # aligned: every tensor is quantized on its own scale (measured 0.03-0.24 at 4 bits, 0.002-0.01 at 8)
+    assert max(rel[True]) < 0.35 and rel[True][1] < 0.15 and rel[True][3] < 0.15, rel[True]
+    # packed (the old layout): the bias and the norm gain drown in their neighbours' quantization noise
+    assert rel[False][1] > 2 and rel[False][3] > 2, rel[False]
 
 
 def test_one_rank_world_is_identity_and_sends_nothing():

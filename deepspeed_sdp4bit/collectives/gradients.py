@@ -49,10 +49,20 @@ Buffers: all send and receive buffers come from a grow-only pool keyed by (role,
 first call of a given size (or any larger size) no communication buffer is allocated again.  The returned
 tensors are freshly allocated (the caller owns them); they are views of one ``[S_p]`` output.
 
+List layout (:meth:`GradientReducer.reduce_scatter`, what DeepSpeed's buckets go through): tensor ``i`` of
+``n_i`` elements contributes DeepSpeed's piece of ``P_i = ceil(n_i / W)`` elements to every destination
+segment.  DeepSpeed packs the pieces back to back; here each piece starts at a multiple of ``group_size``
+(``cfg.align_params``, :func:`list_layout`), so no quantization group and no Hadamard block holds two
+parameters.  Packed, a bias or norm gain sharing a group with a weight gets that weight's scale, and at 4 bits
+(error ~ abs-max / 7) its values round to noise (issue 21: LayerNorm gradients with relative errors of 1-3,
+biases up to 4.6, against 0.1-0.3 aligned); aligned, every tensor is quantized on its own scale.  The gaps are zeros (fewer than
+``group_size`` per tensor per segment); the outputs are read back from the same columns.
+
 Accounting (:class:`~deepspeed_sdp4bit.collectives.stats.CommStats`): per level, the bytes this rank sends
 to *other* ranks (the share of its all-to-all input addressed to itself never leaves the device, so it is
-excluded), the number of values those bytes carry (padding included), and ``baseline_bytes``: what a ring
-bf16 reduce-scatter of the unpadded segments would send from this rank, ``(W - 1) * S * 2``.
+excluded), the number of values those bytes carry (padding and alignment gaps included), and
+``baseline_bytes``: what a ring bf16 reduce-scatter of the unpadded segments would send from this rank,
+``(W - 1) * S * 2`` (for the list API, S = DeepSpeed's packed ``sum(ceil(n_i / W))``).
 """
 
 from __future__ import annotations
@@ -205,6 +215,49 @@ def partition_numels(numels: Sequence[int], world: int) -> List[int]:
 def segment_numel_for(numels: Sequence[int], world: int) -> int:
     """S of a list reduce-scatter in DeepSpeed's layout: ``sum(ceil(n / world))`` over the tensors."""
     return sum(partition_numels(numels, world))
+
+
+def list_unit(shape: TopologyShape, cfg: GradientsConfig) -> int:
+    """Alignment of each tensor's piece inside a destination segment of a list reduce-scatter.
+
+    ``cfg.group_size`` when ``cfg.align_params`` and some level quantizes (every piece starts a new
+    quantization group, hence a new Hadamard block), else 1 (DeepSpeed's packed layout).
+    """
+    cfg = _check_cfg(cfg)
+    return make_plan(0, shape, cfg).unit if cfg.align_params else 1
+
+
+def list_layout(numels: Sequence[int], world: int, unit: int) -> Tuple[List[int], List[int], int]:
+    """Where each tensor's piece lies in a destination segment of a list reduce-scatter.
+
+    Returns ``(parts, cols, S)``: DeepSpeed's piece sizes ``ceil(n / world)``, each piece's first column (the
+    running sum of the previous pieces, rounded up to a multiple of ``unit``) and the segment length (the
+    last piece's end; callers pad it further to whole groups).  ``unit = 1`` is DeepSpeed's layout.
+    """
+    parts = partition_numels(numels, world)
+    cols, col = [], 0
+    for chunk in parts:
+        col = R.padded_numel(col, unit) if chunk else col
+        cols.append(col)
+        col += chunk
+    return parts, cols, col
+
+
+def list_segment_numel(numels: Sequence[int], shape: TopologyShape, cfg: GradientsConfig) -> int:
+    """S that a list reduce-scatter of tensors of ``numels`` puts on the wire (before group padding)."""
+    return list_layout(numels, shape.world_size, list_unit(shape, cfg))[2]
+
+
+def expected_list_wire_bytes(numels: Sequence[int], shape: TopologyShape, cfg: GradientsConfig,
+                             dtype: torch.dtype = torch.bfloat16) -> Dict[str, float]:
+    """:func:`expected_wire_bytes` of :meth:`GradientReducer.reduce_scatter` on tensors of ``numels``: the
+    segment is the aligned one (:func:`list_segment_numel`), the baseline DeepSpeed's unpadded
+    ``(W - 1) * sum(ceil(n / W)) * 2``; ``align_padding`` is what the alignment adds per segment."""
+    out = expected_wire_bytes(list_segment_numel(numels, shape, cfg), shape, cfg, dtype)
+    S = segment_numel_for(numels, shape.world_size)
+    out["align_padding"] = list_segment_numel(numels, shape, cfg) - S
+    out["baseline"] = (shape.world_size - 1) * S * BASELINE_BYTES_PER_VALUE
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -448,19 +501,14 @@ class GradientReducer:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"tensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         W, rank = self.topology.world_size, self.topology.rank
-        parts = partition_numels([t.numel() for t in tensors], W)
-        S = sum(parts)
+        numels = [t.numel() for t in tensors]
+        parts, cols, S = list_layout(numels, W, list_unit(self.topology.shape, self.cfg))
         plan = make_plan(S, self.topology.shape, self.cfg, dtype)
         # Write the interleaved layout straight into a padded [W, S_p] buffer (one copy of the inputs).
         buf = self._pool.get("list_input", W * plan.padded, dtype, device).view(W, plan.padded)
-        col = 0
-        for t, chunk in zip(tensors, parts):
-            _write_partitioned(buf[:, col:col + chunk], t.reshape(-1), chunk)
-            col += chunk
-        if plan.padded > S:
-            buf[:, S:].zero_()
-        out = self._reduce(buf.view(-1), plan.padded, S, op, step, bucket_id)
-        return _split_output(out, [t.numel() for t in tensors], parts, rank)
+        _write_list_input(buf, tensors, parts, cols)
+        out = self._reduce(buf.view(-1), plan.padded, sum(parts), op, step, bucket_id)
+        return _split_output(out, numels, parts, cols, rank)
 
     # -- the algorithm --
     def _reduce(self, flat: torch.Tensor, S: int, S_baseline: int, op: str, step: int,
@@ -525,14 +573,26 @@ def _write_partitioned(dst: torch.Tensor, src: torch.Tensor, chunk: int) -> None
         dst[full + 1:].zero_()
 
 
-def _split_output(out: torch.Tensor, numels: Sequence[int], parts: Sequence[int], rank: int
-                  ) -> List[torch.Tensor]:
+def _write_list_input(buf: torch.Tensor, tensors: Sequence[torch.Tensor], parts: Sequence[int],
+                      cols: Sequence[int]) -> None:
+    """Fill ``buf`` [W, S_p]: tensor i's pieces at columns ``cols[i]`` (see :func:`list_layout`), zeros
+    everywhere else (alignment gaps and the group padding at the end)."""
+    end = 0
+    for t, chunk, col in zip(tensors, parts, cols):
+        if col > end:
+            buf[:, end:col].zero_()
+        _write_partitioned(buf[:, col:col + chunk], t.reshape(-1), chunk)
+        end = col + chunk
+    if buf.shape[1] > end:
+        buf[:, end:].zero_()
+
+
+def _split_output(out: torch.Tensor, numels: Sequence[int], parts: Sequence[int], cols: Sequence[int],
+                  rank: int) -> List[torch.Tensor]:
     res = []
-    col = 0
-    for n, chunk in zip(numels, parts):
+    for n, chunk, col in zip(numels, parts, cols):
         length = max(0, min(chunk, n - rank * chunk))
         res.append(out.narrow(0, col, length))
-        col += chunk
     return res
 
 
@@ -611,3 +671,34 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
         for r in range(W):
             _finish(plan, be, recv2[r], outs[r][a:a + L], post)
     return [o[:S] for o in outs]
+
+
+@torch.no_grad()
+def simulate_reduce_scatter(tensors: Sequence[Sequence[torch.Tensor]], shape: TopologyShape,
+                            cfg: GradientsConfig, seed: int, step: int = 0, bucket_id: int = 0, op: str = "mean",
+                            backend: str = "torch") -> List[List[torch.Tensor]]:
+    """:meth:`GradientReducer.reduce_scatter` run for all ranks in one process (same layout, same bits).
+
+    Args:
+        tensors: per rank, the list of tensors that rank hands to ``reduce_scatter`` (same numels and dtype
+            on every rank).
+    Returns: per rank, the list of 1-D partitions that rank's ``reduce_scatter`` returns.
+    """
+    W = shape.world_size
+    if len(tensors) != W:
+        raise ValueError(f"tensors must hold one list per rank ({W}), got {len(tensors)}")
+    numels = [t.numel() for t in tensors[0]]
+    for r, ts in enumerate(tensors):
+        if [t.numel() for t in ts] != numels:
+            raise ValueError(f"tensors[{r}] has numels {[t.numel() for t in ts]}, tensors[0] {numels}")
+    dtype = tensors[0][0].dtype
+    parts, cols, S = list_layout(numels, W, list_unit(shape, cfg))
+    Sp = make_plan(S, shape, cfg, dtype).padded
+    flats = []
+    for ts in tensors:
+        buf = torch.empty(W, Sp, dtype=dtype, device=ts[0].device)
+        _write_list_input(buf, ts, parts, cols)
+        flats.append(buf.view(-1))
+    outs = simulate_reduce_scatter_flat(flats, shape, cfg, seed, step=step, bucket_id=bucket_id, op=op,
+                                        backend=backend)
+    return [_split_output(outs[r], numels, parts, cols, r) for r in range(W)]

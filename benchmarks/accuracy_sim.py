@@ -1,0 +1,483 @@
+"""Single-process simulation of W-rank ZeRO-3 training with SDP4Bit's real quantization code paths (issue 21).
+
+One process plays all W data-parallel ranks of ``examples/train_gpt.py``: every step it computes the W ranks'
+micro-batch gradients one after the other (bf16 model, the same batches as train_gpt.py: ``WindowSampler``
+seeded by (data seed, step, micro, rank)), then
+
+* gradients: ZeRO-3's reduce-scatter, either exact (bf16 pre-division by W, bf16 sum, as DeepSpeed's
+  ``reduce_scatter_coalesced``) or through :func:`collectives.gradients.simulate_reduce_scatter`, which is
+  :meth:`GradientReducer.reduce_scatter` (the call ``integration.reduce_grads`` makes) for all ranks in one
+  process: same layout (DeepSpeed's per-parameter pieces of ceil(n/W) elements; buckets of
+  ``--bucket-size`` elements filled in backward order, sorted by parameter id as DeepSpeed does), same kernels,
+  same stochastic-rounding keys (seed, step, bucket, level, rank, chunk), same bits;
+* optimizer: the fp32 master partitions [W, M] (DeepSpeed's flat partition: the per-parameter pieces
+  concatenated in parameter order), gradient clipping on the global norm as DeepSpeed, torch AdamW (what
+  train_gpt.py uses on CPU), the warm-up + cosine schedule of train_gpt.py;
+* weights: the bf16 partitions, either ``bf16(master)`` (ZeRO-3) or qWD through
+  ``reference.weight_delta_quantize`` on each rank's flat partition with the key the collective uses
+  (``make_key(seed, step, sub_group, owner)``); every replica copy is bit-identical to the owner's partition
+  (the invariant the integration keeps), so the model simply runs on the owners' partitions.
+
+Besides the loss it records, every ``--probe-every`` steps, the relative error per parameter tensor of the
+reduced gradient (against the exact reduce of the same local gradients) and of the bf16 weights the model
+runs on (against the fp32 master), and at the end the distance of every parameter tensor to the ZeRO-3 run
+with the same data seed (when that run is in the same invocation).
+
+    export PYTHONPATH=$PWD
+    python benchmarks/accuracy_sim.py --variants zero3 sdp4bit sdp4bit_packed --topologies 2x2 \\
+        --data-seeds 1 --steps 300 --out benchmarks/results/accuracy_sim/runs.json
+
+Results of the issue-21 study: ``benchmarks/results/accuracy_sim/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT))
+
+from gpt import GPT, GPTConfig  # noqa: E402
+from data import WindowSampler, load_corpus, split_corpus  # noqa: E402
+from deepspeed_sdp4bit import reference as R  # noqa: E402
+from deepspeed_sdp4bit.ops import get_backend  # noqa: E402
+from deepspeed_sdp4bit.collectives.gradients import simulate_reduce_scatter  # noqa: E402
+from deepspeed_sdp4bit.config import GradientsConfig, WeightsConfig  # noqa: E402
+from deepspeed_sdp4bit.topology import TopologyShape  # noqa: E402
+
+# configs/sdp4bit.json's blocks; a variant overrides some keys (None = that path is exact ZeRO-3).
+SDP_GRADS = dict(intra_bits=8, inter_bits=4, group_size=128, hadamard=True, hadamard_size=32,
+                 rounding="stochastic")
+SDP_WEIGHTS = dict(mode="diff", bits=4, group_size=2048, rounding="nearest")
+PACKED = {"align_params": False}   # the layout before issue 21: groups span parameter boundaries
+
+VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
+    "zero3": {"grads": None, "weights": None},
+    "sdp4bit": {"grads": {}, "weights": {}},
+    "sdp4bit_packed": {"grads": PACKED, "weights": {}},
+    # qWD with groups restarting at every parameter's piece of the flat partition (simulated here only: the
+    # weight kernels work on the contiguous flat partition); measures whether the weight side needs it
+    "sdp4bit_wq_aligned": {"grads": {}, "weights": {}, "weights_aligned": True},
+    "qwd": {"grads": None, "weights": {}},
+    "qw": {"grads": None, "weights": {"mode": "direct"}},
+    "tlq_hs": {"grads": {}, "weights": None},
+    "tlq_hs_packed": {"grads": PACKED, "weights": None},
+    "tlq": {"grads": {"hadamard": False}, "weights": None},
+    "tlq_packed": {"grads": {"hadamard": False, **PACKED}, "weights": None},
+    "tlq_hs_nearest": {"grads": {"rounding": "nearest"}, "weights": None},
+    "tlq_hs_nearest_packed": {"grads": {"rounding": "nearest", **PACKED}, "weights": None},
+    "tlq_hs_g32_packed": {"grads": {"group_size": 32, **PACKED}, "weights": None},
+    "tlq_hs_g512_packed": {"grads": {"group_size": 512, **PACKED}, "weights": None},
+    "tlq_hs_g512": {"grads": {"group_size": 512}, "weights": None},
+    "tlq_hs_8bit_packed": {"grads": {"inter_bits": 8, **PACKED}, "weights": None},
+}
+
+
+def lr_at(step: int, a) -> float:
+    """train_gpt.py's schedule: linear warm-up, then cosine to lr * min_lr_ratio."""
+    if step < a.warmup:
+        return a.lr * (step + 1) / a.warmup
+    span = max(1, a.steps - a.warmup)
+    progress = min(1.0, (step - a.warmup) / span)
+    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Partition:
+    """DeepSpeed ZeRO-3's flat partition of a parameter list over W ranks: [W, M], rank r's row is the
+    concatenation of each parameter's piece r of ``ceil(n / W)`` elements (the last ones zero-padded)."""
+
+    def __init__(self, params: List[torch.nn.Parameter], world: int):
+        self.W = world
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.parts = [-(-n // world) for n in self.numels]
+        self.offs = [sum(self.parts[:i]) for i in range(len(params))]
+        self.M = sum(self.parts)
+
+    def to_part(self, fulls: List[torch.Tensor], dtype) -> torch.Tensor:
+        out = torch.zeros(self.W, self.M, dtype=dtype, device=fulls[0].device)
+        for t, n, P, o in zip(fulls, self.numels, self.parts, self.offs):
+            buf = torch.zeros(self.W * P, dtype=dtype, device=t.device)
+            buf[:n] = t.reshape(-1)
+            out[:, o:o + P] = buf.view(self.W, P)
+        return out
+
+    def to_full(self, part: torch.Tensor) -> List[torch.Tensor]:
+        return [part[:, o:o + P].reshape(-1)[:n].view(s)
+                for n, P, o, s in zip(self.numels, self.parts, self.offs, self.shapes)]
+
+
+def buckets_for(numels: List[int], bucket_size: int) -> List[List[int]]:
+    """DeepSpeed's gradient buckets: parameters in backward order (reverse of definition), a bucket is
+    reduced before a parameter that would overflow it is added; each bucket sorted by parameter id."""
+    out, cur, elems = [], [], 0
+    for i in reversed(range(len(numels))):
+        if cur and elems + numels[i] > bucket_size:
+            out.append(sorted(cur))
+            cur, elems = [], 0
+        cur.append(i)
+        elems += numels[i]
+    if cur:
+        out.append(sorted(cur))
+    return out
+
+
+def exact_reduce(grads_r: List[torch.Tensor], W: int) -> torch.Tensor:
+    """ZeRO-3: ``g.div_(W)`` in bf16, then a bf16 sum in rank order; returned as fp32."""
+    acc = grads_r[0] / W
+    for g in grads_r[1:]:
+        acc = acc + g / W
+    return acc.float()
+
+
+def param_class(name: str) -> str:
+    if name.endswith(".bias"):
+        return "bias"
+    if ".ln" in name or name.startswith("ln_"):
+        return "ln_gain"
+    if name.startswith(("wte", "wpe")):
+        return "embedding"
+    return "matrix"
+
+
+def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
+    spec = VARIANTS[variant]
+    N, g = (int(x) for x in topo.split("x"))
+    shape = TopologyShape(N, g)
+    W = shape.world_size
+    gcfg = GradientsConfig(**{**SDP_GRADS, **spec["grads"]}) if spec["grads"] is not None else None
+    wcfg = WeightsConfig(**{**SDP_WEIGHTS, **spec["weights"]}) if spec["weights"] is not None else None
+    model = GPT(GPTConfig(d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, seq_len=a.seq),
+                seed=a.model_seed).to(device=a.device, dtype=torch.bfloat16)
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    part = Partition(params, W)
+    be = get_backend(a.backend, torch.device(a.device))
+    master = part.to_part([p.detach().float() for p in params], torch.float32).view(-1).requires_grad_(False)
+    master_param = torch.nn.Parameter(master)
+    opt = torch.optim.AdamW([master_param], lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    own = master_param.data.view(W, part.M).to(torch.bfloat16)   # the bf16 partitions (all ranks identical)
+    train, held = split_corpus(corpus)
+    samplers = [WindowSampler(train, a.seq, a.micro_batch, data_seed, r, W) for r in range(W)]
+    evals = [WindowSampler(held, a.seq, a.micro_batch, data_seed, r, W) for r in range(W)]
+    buckets = buckets_for(part.numels, a.bucket_size)
+    losses, probes = [], []
+    t0 = time.time()
+
+    def load_weights():
+        for p, w in zip(params, part.to_full(own)):
+            p.data.copy_(w)
+
+    load_weights()
+    for step in range(a.steps):
+        lr = lr_at(step, a)
+        opt.param_groups[0]["lr"] = lr
+        grads_r, loss_r = [], []
+        for r in range(W):
+            x, y = samplers[r].batch(step, 0)
+            model.zero_grad(set_to_none=True)
+            loss = model(x.to(a.device), y.to(a.device))
+            loss.backward()
+            grads_r.append([p.grad.detach().clone() for p in params])
+            loss_r.append(float(loss.detach()))
+        losses.append(sum(loss_r) / W)
+        probe = a.probe_every and (step % a.probe_every == 0 or step == a.steps - 1)
+        if gcfg is None:
+            full = [exact_reduce([grads_r[r][i] for r in range(W)], W) for i in range(len(params))]
+        else:
+            full = [None] * len(params)
+            for b, idx in enumerate(buckets):
+                outs = simulate_reduce_scatter([[grads_r[r][i] for i in idx] for r in range(W)], shape, gcfg,
+                                               a.sdp_seed, step=step, bucket_id=b, op="mean",
+                                               backend=a.backend)
+                for k, i in enumerate(idx):
+                    full[i] = torch.cat([outs[d][k] for d in range(W)]).float().view(params[i].shape)
+        rec = {}
+        if probe:
+            ex = full if gcfg is None else [exact_reduce([grads_r[r][i] for r in range(W)], W)
+                                            for i in range(len(params))]
+            rec["grad_rel_err"] = {n: float((f - e).norm() / e.norm().clamp_min(1e-30))
+                                   for n, f, e in zip(names, full, ex)}
+            rec["grad_norm"] = {n: float(e.norm()) for n, e in zip(names, ex)}
+        gpart = part.to_part(full, torch.float32)
+        norm = float(gpart.norm())
+        clip = (norm + 1e-6) / a.clip
+        if clip > 1:
+            gpart.div_(clip)
+        master_param.grad = gpart.view(-1)
+        opt.step()
+        m = master_param.data.view(W, part.M)
+        if wcfg is None:
+            own.copy_(m)
+        else:
+            for r in range(W):
+                key = (R.make_key(a.sdp_seed, step, 0, r) if wcfg.rounding == "stochastic" else None)
+                if not spec.get("weights_aligned"):
+                    be.weight_delta_quantize(m[r], own[r], wcfg.bits, wcfg.group_size, wcfg.rounding, key, 0,
+                                             wcfg.mode)
+                    continue
+                for o, P in zip(part.offs, part.parts):   # group g of piece i <-> its own scale
+                    be.weight_delta_quantize(m[r, o:o + P], own[r, o:o + P], wcfg.bits, wcfg.group_size,
+                                             wcfg.rounding, key, o, wcfg.mode)
+        load_weights()
+        if probe:
+            mf, of = part.to_full(m), part.to_full(own.float())
+            rec["replica_rel_err"] = {n: float((o - w).norm() / w.norm().clamp_min(1e-30))
+                                      for n, o, w in zip(names, of, mf)}
+            rec["bf16_rel_err"] = {n: float((w.bfloat16().float() - w).norm() / w.norm().clamp_min(1e-30))
+                                   for n, w in zip(names, mf)}
+            rec["step"] = step
+            probes.append(rec)
+        if a.verbose and step % 50 == 0:
+            print(f"  {variant} {topo} seed {data_seed} step {step} loss {losses[-1]:.4f} "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+    with torch.no_grad():
+        held_loss = sum(float(model(*(t.to(a.device) for t in evals[r].eval_batch(i))))
+                        for r in range(W) for i in range(a.eval_batches))
+    k = min(50, a.steps)
+    return {"variant": variant, "topology": topo, "data_seed": data_seed, "steps": a.steps,
+            "grads": gcfg.model_dump() if gcfg else None, "weights": wcfg.model_dump() if wcfg else None,
+            "train_loss": sum(losses[-k:]) / k, "heldout_loss": held_loss / (W * a.eval_batches),
+            "losses": losses, "probes": probes, "seconds": time.time() - t0,
+            "final_weights": {n: w.cpu() for n, w in zip(names, part.to_full(own.float()))},
+            "classes": {n: param_class(n) for n in names}, "numels": dict(zip(names, part.numels))}
+
+
+TABLE_CONFIGS = {   # gradient configs of the error table: name -> overrides of SDP_GRADS
+    "tlq_hs": {}, "tlq_hs_packed": PACKED,
+    "tlq": {"hadamard": False}, "tlq_packed": {"hadamard": False, **PACKED},
+    "tlq_hs_nearest": {"rounding": "nearest"}, "tlq_hs_nearest_packed": {"rounding": "nearest", **PACKED},
+    "tlq_hs_g32_packed": {"group_size": 32, **PACKED},
+    "tlq_hs_g512": {"group_size": 512}, "tlq_hs_g512_packed": {"group_size": 512, **PACKED},
+    "ulq_packed": {"intra_bits": 4, "hadamard": False, **PACKED},
+    "8bit_both_packed": {"inter_bits": 8, **PACKED},
+}
+
+
+def error_table(a, corpus) -> dict:
+    """Per-tensor relative error of the reduced gradient for many configs, on the same real gradients.
+
+    The model is trained with exact ZeRO-3 for ``--table-warm`` steps; then, for ``--table-batches`` steps'
+    batches, the W ranks' gradients are reduced exactly and through every config of TABLE_CONFIGS on every
+    topology; per tensor the error is ``||q - e|| / ||e||``, summarised per parameter class (median, max) over
+    tensors and batches.
+    """
+    W = 4
+    model = GPT(GPTConfig(d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, seq_len=a.seq),
+                seed=a.model_seed).to(torch.bfloat16)
+    if a.table_warm:
+        warm = argparse.Namespace(**{**vars(a), "steps": a.table_warm, "probe_every": 0})
+        w = run(warm, "zero3", "2x2", a.data_seeds[0], corpus)["final_weights"]
+        for n, p in model.named_parameters():
+            p.data.copy_(w[n])
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    train, _ = split_corpus(corpus)
+    samplers = [WindowSampler(train, a.seq, a.micro_batch, a.data_seeds[0], r, W) for r in range(W)]
+    errs: Dict[str, Dict[str, List[float]]] = {}
+    for b in range(a.table_batches):
+        grads_r = []
+        for r in range(W):
+            model.zero_grad(set_to_none=True)
+            model(*samplers[r].batch(a.table_warm + b, 0)).backward()
+            grads_r.append([p.grad.detach().clone() for p in params])
+        ex = [exact_reduce([grads_r[r][i] for r in range(W)], W) for i in range(len(params))]
+        for topo in a.topologies:
+            shape = TopologyShape(*(int(x) for x in topo.split("x")))
+            for cname, over in TABLE_CONFIGS.items():
+                cfg = GradientsConfig(**{**SDP_GRADS, **over})
+                outs = simulate_reduce_scatter(grads_r, shape, cfg, a.sdp_seed, step=a.table_warm + b)
+                d = errs.setdefault(f"{cname}@{topo}", {})
+                for i, n in enumerate(names):
+                    q = torch.cat([outs[r][i] for r in range(W)]).float()
+                    e = ex[i].reshape(-1)
+                    d.setdefault(n, []).append(float((q - e).norm() / e.norm().clamp_min(1e-30)))
+    classes = {n: param_class(n) for n in names}
+    summary = {}
+    for key, per in errs.items():
+        row = {}
+        for c in sorted(set(classes.values())):
+            vals = sorted(v for n, vs in per.items() if classes[n] == c for v in vs)
+            row[c] = {"median": vals[len(vals) // 2], "max": vals[-1]}
+        summary[key] = row
+    return {"summary": summary, "per_tensor": {k: {n: sum(v) / len(v) for n, v in per.items()}
+                                              for k, per in errs.items()},
+            "classes": classes, "warm_steps": a.table_warm, "batches": a.table_batches}
+
+
+def _median(vals):
+    vals = sorted(vals)
+    return vals[len(vals) // 2] if vals else float("nan")
+
+
+def report(runs: List[dict]) -> str:
+    """Markdown tables from the runs of one or more ``--out`` files (what the README shows)."""
+    lines = []
+    z = {r["data_seed"]: r for r in runs if r["variant"] == "zero3"}
+    zl = sorted(r["train_loss"] for r in z.values())
+    zh = sorted(r["heldout_loss"] for r in z.values())
+    if zl:
+        mean = sum(zl) / len(zl)
+        lines.append(f"ZeRO-3 over {len(zl)} data seed(s): train loss (mean of the last 50 steps) {zl[0]:.4f} .. "
+                     f"{zl[-1]:.4f} (band {100 * (zl[-1] - zl[0]) / mean:.2f}% of the mean {mean:.4f}); "
+                     f"held-out {zh[0]:.4f} .. {zh[-1]:.4f}.")
+        lines.append("")
+    lines.append("| variant | topology | data seed | steps | train loss | vs ZeRO-3 (same seed) | held-out | vs ZeRO-3 |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in sorted(runs, key=lambda r: (r["variant"] != "zero3", r["topology"], r["variant"], r["data_seed"])):
+        ref = z.get(r["data_seed"])
+        gap = f"{100 * (r['train_loss'] / ref['train_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
+        hgap = f"{100 * (r['heldout_loss'] / ref['heldout_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
+        topo = "any" if r["variant"] == "zero3" else r["topology"]
+        lines.append(f"| {r['variant']} | {topo} | {r['data_seed']} | {r['steps']} | {r['train_loss']:.4f} | {gap} | "
+                     f"{r['heldout_loss']:.4f} | {hgap} |")
+    lines.append("")
+    lines.append("Paired gap (train loss vs the ZeRO-3 run of the same data seed), per variant and topology:")
+    lines.append("")
+    lines.append("| variant | topology | seeds | mean gap | min .. max |")
+    lines.append("|---|---|---|---|---|")
+    groups: Dict[tuple, List[float]] = {}
+    for r in runs:
+        ref = z.get(r["data_seed"])
+        if r["variant"] != "zero3" and ref:
+            groups.setdefault((r["variant"], r["topology"]), []).append(100 * (r["train_loss"] / ref["train_loss"] - 1))
+    for (v, topo), gaps in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(f"| {v} | {topo} | {len(gaps)} | {sum(gaps) / len(gaps):+.2f}% | {min(gaps):+.2f}% .. "
+                     f"{max(gaps):+.2f}% |")
+    lines.append("")
+    classes = sorted({c for r in runs for c in r["classes"].values()})
+    lines.append("Per parameter class, median over tensors and probes (every 25 or 50 steps): relative error of the "
+                 "reduced gradient vs the exact reduce of the same local gradients; of the bf16 weights the "
+                 "model runs on vs the fp32 master (bf16(master) for reference); final distance to the ZeRO-3 "
+                 "run of the same seed.")
+    lines.append("")
+    lines.append("| variant | topology | seed | " + " | ".join(
+        f"{c}: grad err / weight err / dist" for c in classes) + " |")
+    lines.append("|---|---|---|" + "---|" * len(classes))
+    for r in sorted(runs, key=lambda r: (r["topology"], r["variant"], r["data_seed"])):
+        cells = []
+        for c in classes:
+            names = [n for n, k in r["classes"].items() if k == c]
+            ge = _median([p["grad_rel_err"][n] for p in r["probes"] for n in names if "grad_rel_err" in p])
+            we = _median([p["replica_rel_err"][n] for p in r["probes"] for n in names])
+            be = _median([p["bf16_rel_err"][n] for p in r["probes"] for n in names])
+            dist = _median([r["final_rel_dist_to_zero3"][n] for n in names]) if "final_rel_dist_to_zero3" in r \
+                else float("nan")
+            cells.append(f"{ge:.3f} / {we:.4f} ({be:.4f}) / {dist:.3f}")
+        lines.append(f"| {r['variant']} | {r['topology']} | {r['data_seed']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report_table(t: dict) -> str:
+    """Markdown of an ``--error-table`` JSON: per config and topology, per class, median / max error."""
+    rows = t["summary"]
+    classes = sorted(next(iter(rows.values())))
+    lines = [f"Relative error ||q - e|| / ||e|| of the reduced gradient per parameter tensor, median / max over the "
+             f"tensors of each class and {t['batches']} batches, after {t['warm_steps']} exact ZeRO-3 steps.", "",
+             "| config | topology | " + " | ".join(classes) + " |", "|---|---|" + "---|" * len(classes)]
+    for key, row in rows.items():
+        name, topo = key.split("@")
+        lines.append(f"| {name} | {topo} | " + " | ".join(f"{row[c]['median']:.3f} / {row[c]['max']:.3f}"
+                                                         for c in classes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", default=["zero3", "sdp4bit"], choices=sorted(VARIANTS))
+    p.add_argument("--topologies", nargs="+", default=["2x2"])
+    p.add_argument("--data-seeds", nargs="+", type=int, default=[1234])
+    p.add_argument("--model-seed", type=int, default=1234)
+    p.add_argument("--sdp-seed", type=int, default=1234, help="the sdp4bit block's seed")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--bucket-size", type=int, default=50_000_000, help="reduce_bucket_size (elements)")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--probe-every", type=int, default=25)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu or cuda: the W ranks share this one device")
+    p.add_argument("--backend", default="torch", help="kernel backend (torch, triton, cuda, auto)")
+    p.add_argument("--out", required=True, help="JSON file; runs are appended to it (keyed by variant/topo/seed)")
+    p.add_argument("--verbose", action="store_true")
+    p.add_argument("--error-table", action="store_true",
+                   help="instead of training runs: the per-tensor gradient error table (see error_table)")
+    p.add_argument("--table-warm", type=int, default=50)
+    p.add_argument("--table-batches", type=int, default=2)
+    p.add_argument("--ref-cache", default="/tmp/accuracy_sim_ref",
+                   help="where ZeRO-3 runs leave their final weights for the distance of later runs")
+    p.add_argument("--report", nargs="*", metavar="RUNS_JSON",
+                   help="only print the markdown tables of these --out files (written to --out as .md)")
+    a = p.parse_args(argv)
+    if a.report:
+        docs = [json.loads(Path(f).read_text()) for f in a.report]
+        runs = [r for d in docs for r in d.get("runs", [])]
+        text = "\n".join([report(runs)] * bool(runs) + [report_table(d) for d in docs if "summary" in d])
+        Path(a.out).write_text(text)
+        print(text)
+        return
+    torch.set_num_threads(a.threads)
+    corpus, desc = load_corpus(None)
+    out = Path(a.out)
+    doc = json.loads(out.read_text()) if out.exists() else {"runs": []}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    args = {k: v for k, v in vars(a).items() if k not in ("variants", "topologies", "data_seeds", "out",
+                                                           "verbose", "threads")}
+    if a.error_table:
+        t = error_table(a, corpus)
+        t.update({"args": args, "commit": commit, "corpus": desc})
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(t, indent=1))
+        for key, row in t["summary"].items():
+            print(f"{key:28s} " + "  ".join(f"{c} {v['median']:.3f}/{v['max']:.3f}" for c, v in row.items()))
+        return
+    ref_weights = {}
+    for seed in a.data_seeds:
+        for topo in a.topologies:
+            for v in a.variants:
+                if v == "zero3" and topo != a.topologies[0]:
+                    continue   # exact ZeRO-3 does not depend on the topology: one run per seed
+                r = run(a, v, topo, seed, corpus)
+                w = r.pop("final_weights")
+                cache = Path(a.ref_cache) / f"zero3_seed{seed}_steps{a.steps}_d{a.d_model}_L{a.layers}.pt"
+                if v == "zero3":   # exact ZeRO-3 does not depend on the topology
+                    ref_weights[seed] = w
+                    cache.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(w, cache)
+                elif seed not in ref_weights and cache.exists():
+                    ref_weights[seed] = torch.load(cache)
+                ref = ref_weights.get(seed)
+                if ref is not None and v != "zero3":
+                    r["final_rel_dist_to_zero3"] = {n: float((w[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
+                                                    for n in w}
+                r.update({"args": args, "commit": commit, "corpus": desc,
+                          "machine": f"{os.cpu_count()}-core CPU, torch {torch.__version__}"})
+                doc["runs"] = [x for x in doc["runs"] if (x["variant"], x["topology"], x["data_seed"], x["steps"])
+                               != (v, topo, seed, a.steps)] + [r]
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(doc))
+                print(f"{v:24s} {topo} seed {seed}: train {r['train_loss']:.4f} held-out {r['heldout_loss']:.4f} "
+                      f"({r['seconds']:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
