@@ -31,9 +31,14 @@ weights     ``_reassign_or_swap_out_partitioned_parameters``: DeepSpeed copies t
             Invariant: every replica copy of a partition is bit-identical to the owner's bf16 partition, so
             anything DeepSpeed still gathers from primary partitions (a param whose secondary was dropped,
             persistent params at node level) gets the same values.
-overflow    ``has_overflow``: a quantized reduce-scatter need not carry an inf to the owner, so a non-finite
-            local gradient (fp16) is flagged before quantization and OR-ed into DeepSpeed's overflow tracker
-            (which DeepSpeed all-reduces): the step is skipped on every rank, nothing is refreshed.
+overflow    a quantized reduce-scatter need not carry an inf to the owner, so a non-finite local gradient is
+            flagged before quantization (every dtype).  fp16 (``has_overflow``): OR-ed into DeepSpeed's overflow
+            tracker, which DeepSpeed all-reduces.  bf16/fp32 (``step``): DeepSpeed skips a step whose global
+            gradient norm is not finite, so the flagged rank puts a NaN into its gradient partition before the
+            norm is taken.  Either way the step is skipped on every rank, as plain ZeRO-3 skips it, and nothing
+            is refreshed.
+gathers     ``GatheredParameters`` (``_partition_params``): full-level params are pointed back at their
+            replica buffers on exit instead of being left for the next forward to gather a second copy.
 checkpoints ``state_dict`` / ``_rigid_load_state_dict`` carry the bf16 replica partitions and our step
             counter; ``checkpoint_event_epilogue`` re-synchronises every replica exactly (``full_sync``)
             after a save or a load, so a resumed run continues like an uninterrupted one.
@@ -47,6 +52,7 @@ import functools
 import inspect
 import logging
 import warnings
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -59,6 +65,7 @@ logger = logging.getLogger("deepspeed_sdp4bit")
 SUPPORTED_DEEPSPEED = "0.19."
 _STATE_ATTR = "_sdp4bit"          # on the stage-3 optimizer instance
 _CKPT_KEY = "sdp4bit"             # our entry in the optimizer state dict
+_REPLICA_ATTR = "_sdp4bit_replica_of"  # on a full-replica parameter: weakref to its SDP4BitState
 _INSTALLED = False
 _ORIG: Dict[str, Any] = {}
 
@@ -109,6 +116,15 @@ def install() -> bool:
     if not getattr(Init.__init__, "_sdp4bit_wrapped", False):
         _ORIG["Init.__init__"] = Init.__init__
         Init.__init__ = _make_zero_init(Init.__init__)
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    gp = GatheredParameters.__dict__.get("_partition_params")
+    if not isinstance(gp, staticmethod):
+        raise ImportError(f"deepspeed_sdp4bit: GatheredParameters._partition_params not found in DeepSpeed "
+                          f"{deepspeed.__version__}; the integration does not match this release")
+    if not getattr(gp.__func__, "_sdp4bit_wrapped", False):
+        _ORIG["GatheredParameters._partition_params"] = gp.__func__
+        GatheredParameters._partition_params = staticmethod(_gathered_partition_params(gp.__func__))
 
     patches = {
         "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads": _avg_scatter_grads,
@@ -479,7 +495,7 @@ class SDP4BitState:
                                                 level=self.level)
         self.step = 0
         self.bucket = 0
-        self.nonfinite: Optional[torch.Tensor] = None   # fp16: bool [] "a local gradient was not finite"
+        self.nonfinite: Optional[torch.Tensor] = None   # bool [] "a local gradient was not finite"
         self.last_summary: Dict[str, Any] = {}
         self._prev = self._cumulative()
         # Per sub-group: [(param, offset in the flat partition, partition numel P)].
@@ -513,12 +529,12 @@ class SDP4BitState:
             grads = [g.to(communication_data_type) for g in grads]
         if opt.postscale_gradients and opt.gradient_predivide_factor != 1.0:
             grads = [g.div(opt.gradient_predivide_factor) for g in grads]
-        if opt.dtype == torch.float16:
-            # DeepSpeed finds fp16 overflows in the *reduced* partitions; a quantizer may turn an inf into
-            # finite garbage on the way, so look at the local inputs while they are still exact.  The flag
-            # stays on the device (no host sync here); has_overflow folds it into DeepSpeed's tracker.
-            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
-            self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
+        # DeepSpeed finds non-finite gradients in the *reduced* partitions (fp16: has_overflow; bf16/fp32: a
+        # non-finite global norm); a quantizer may turn an inf into finite garbage on the way, so look at the
+        # local inputs while they are still exact, in every dtype.  The flag stays on the device (no host
+        # sync here); has_overflow (fp16) or flag_nonfinite_for_norm (bf16/fp32) hands it to DeepSpeed.
+        bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
+        self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
         parts = self.reducer.reduce_scatter(grads, op="mean", step=self.step, bucket_id=self.bucket)
         self.bucket += 1
         if (opt.postscale_gradients and opt.gradient_predivide_factor != 1.0
@@ -531,6 +547,28 @@ class SDP4BitState:
         if communication_data_type != opt.gradient_accumulation_dtype:
             parts = [g.to(opt.gradient_accumulation_dtype) for g in parts]
         return parts
+
+    def flag_nonfinite_for_norm(self, opt) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """bf16/fp32: make DeepSpeed skip the step when a local gradient of this rank was not finite.
+
+        There DeepSpeed has no overflow check; it skips a step whose global gradient norm (summed over the
+        ranks) is not finite, which is what plain ZeRO-3 does with an inf/NaN gradient.  The quantized
+        reduce-scatter may have delivered finite garbage instead, so the flagged rank writes a NaN into one
+        element of its own gradient partition: the norm is NaN on every rank and DeepSpeed skips the step
+        everywhere (``overflow``, ``skipped_steps``, gradients dropped) as for plain ZeRO-3, with no extra
+        collective.  Returns (that element, its value) to put back after the step, or None.
+        """
+        if self.nonfinite is None or opt.dtype == torch.float16 or not bool(self.nonfinite):
+            return None
+        for i, group in enumerate(opt.fp16_groups):
+            for j, p in enumerate(group):
+                if p.requires_grad:
+                    g = opt.averaged_gradients[i][j].view(-1)[:1]
+                    saved = g.clone()
+                    g.fill_(float("nan"))
+                    return g, saved
+        raise RuntimeError("sdp4bit: a local gradient was not finite, and this rank holds no gradient partition "
+                           "to make DeepSpeed's norm check see it")
 
     # -- weights ------------------------------------------------------------------------------------------
     def _node_replica_active(self) -> bool:
@@ -610,18 +648,20 @@ class SDP4BitState:
                     self.replica[id(p)] = torch.empty(p.ds_numel, dtype=p.ds_tensor.dtype,
                                                       device=p.ds_tensor.device)
                     self._replica_params.append(p)
+                    setattr(p, _REPLICA_ATTR, weakref.ref(self))
         for i in range(len(self.layout)):
             own = opt.fp16_partitioned_groups_flat[i]
             self.weights.full_sync(own, self._dst(i), bucket_id=i)
         self.point_params()
 
-    def point_params(self) -> None:
-        """Full level: make each parameter's data the replica buffer (what DeepSpeed's gather would make)."""
+    def point_params(self, params=None) -> None:
+        """Full level: make each parameter's data (default: all of ours) the replica buffer (what DeepSpeed's
+        gather would make)."""
         if self.level != "full":
             return
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        for p in self._replica_params:
+        for p in self._replica_params if params is None else params:
             if p.ds_status == ZeroParamStatus.INFLIGHT:
                 raise RuntimeError(f"sdp4bit: parameter {p.ds_id} is being gathered while its replica is "
                                    f"re-pointed")
@@ -862,14 +902,23 @@ def _has_overflow(orig):
 
 def _step(orig):
     # The whole DeepSpeed step runs unchanged (our pieces are hooked inside it); afterwards we advance the
-    # step counter of the rounding streams and record the communication summary.  An fp16 overflow returns
-    # early from DeepSpeed's step, before any refresh: the replicas stay as they were.
+    # step counter of the rounding streams and record the communication summary.  An overflow (fp16) or a
+    # non-finite gradient norm (bf16/fp32: flag_nonfinite_for_norm) returns early from DeepSpeed's step,
+    # before any refresh: the replicas stay as they were.  DeepSpeed has partitioned every parameter by then
+    # and skips _post_step, so full-level params are pointed back at their (unchanged) replicas here.
     @functools.wraps(orig)
     def step(self, *args, **kwargs):
         st = _active(self)
         if st is None:
             return orig(self, *args, **kwargs)
-        result = orig(self, *args, **kwargs)
+        flagged = st.flag_nonfinite_for_norm(self)
+        try:
+            result = orig(self, *args, **kwargs)
+        finally:
+            if flagged is not None:
+                flagged[0].copy_(flagged[1])
+        if self.overflow:
+            st.point_params()
         st.end_step(self)
         return result
 
@@ -934,3 +983,27 @@ def _checkpoint_event_epilogue(orig):
             self.persistent_parameters[0].all_gather(self.persistent_parameters)
 
     return checkpoint_event_epilogue
+
+
+def _gathered_partition_params(orig):
+    # deepspeed.zero.GatheredParameters partitions its params on exit, which frees their data: a full-level
+    # param would then be all-gathered into a second copy by the next forward.  Point it back at its replica
+    # buffer instead.  With modifier_rank DeepSpeed has written the broadcast value into the partitions: the
+    # replica holds it already (it is the param's data) or takes it here, so replica == owners' partitions.
+    @functools.wraps(orig)
+    def _partition_params(params, has_been_updated):
+        ours = []
+        for p in params:
+            ref = getattr(p, _REPLICA_ATTR, None)
+            st = ref() if ref is not None else None
+            if st is not None:
+                ours.append((p, st))
+                buf = st.replica[id(p)]
+                if has_been_updated and p.data.data_ptr() != buf.data_ptr():
+                    buf.copy_(p.data.reshape(-1))
+        orig(params, has_been_updated)
+        for p, st in ours:
+            st.point_params([p])
+
+    _partition_params._sdp4bit_wrapped = True
+    return _partition_params
