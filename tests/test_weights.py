@@ -474,8 +474,8 @@ def test_transport_plan(shape):
 @pytest.mark.parametrize("bits,gs", [(4, 32), (8, 64)])
 def test_apply_views_bit_identical(mode, bits, gs, scratch):
     """Receivers' per-view application (aligned or not, any scratch window) gives the owner's bits."""
-    ag = WeightDeltaAllGather(_fake_topology(1, 1, 0), WeightsConfig(bits=bits, group_size=gs, mode=mode), 0,
-                              backend="torch", scratch_elements=scratch)
+    cfg = WeightsConfig(bits=bits, group_size=gs, mode=mode, replica="node")
+    ag = WeightDeltaAllGather(_fake_topology(1, 1, 0), cfg, 0, backend="torch", scratch_elements=scratch)
     gen = torch.Generator().manual_seed(bits * 1000 + gs)
     M = 5 * gs + 7
     # Deltas comparable to the weights, so that a receiver rounding in another order would show.
@@ -499,9 +499,9 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="cfg"):
         WeightDeltaAllGather(topo, {"bits": 4}, 0)
     with pytest.raises(ValueError, match="seed"):
-        WeightDeltaAllGather(topo, WeightsConfig(), -1)
+        WeightDeltaAllGather(topo, WeightsConfig(replica="node"), -1)
     with pytest.raises(ValueError, match="scratch_elements"):
-        WeightDeltaAllGather(topo, WeightsConfig(), 0, scratch_elements=0)
+        WeightDeltaAllGather(topo, WeightsConfig(replica="node"), 0, scratch_elements=0)
     ag = WeightDeltaAllGather(topo, WeightsConfig(replica="node"), 0)
     assert ag.sources_needed() == [2, 3]          # rank 1 = node 0, local 1 keeps partitions 2 and 3
     assert ag.sources_needed(0) == [0, 1]
