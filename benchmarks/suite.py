@@ -134,7 +134,11 @@ class Variant:
 # ------------------------------------------------------------------------------------------- machine facts
 
 def git_commit() -> str:
-    """The checkout's commit (``+dirty`` when tracked files differ), else ``$SDP4BIT_COMMIT``, else unknown."""
+    """``$SDP4BIT_COMMIT`` when set (the device machine's copy of the tree carries git metadata that is not
+    this checkout's: it named the base commit of the session there), else the checkout's commit (``+dirty``
+    when tracked files differ), else unknown."""
+    if os.environ.get("SDP4BIT_COMMIT"):
+        return os.environ["SDP4BIT_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, timeout=20)

@@ -31,9 +31,15 @@ weights     ``_reassign_or_swap_out_partitioned_parameters``: DeepSpeed copies t
             Invariant: every replica copy of a partition is bit-identical to the owner's bf16 partition, so
             anything DeepSpeed still gathers from primary partitions (a param whose secondary was dropped,
             persistent params at node level) gets the same values.
-overflow    ``has_overflow``: a quantized reduce-scatter need not carry an inf to the owner, so a non-finite
-            local gradient (fp16) is flagged before quantization and OR-ed into DeepSpeed's overflow tracker
-            (which DeepSpeed all-reduces): the step is skipped on every rank, nothing is refreshed.
+overflow    a quantized reduce-scatter need not carry an inf to the owner, so a non-finite local gradient is
+            flagged before quantization (every dtype).  fp16 (``has_overflow``): OR-ed into DeepSpeed's overflow
+            tracker, which DeepSpeed all-reduces.  bf16/fp32 (``step``): DeepSpeed skips a step whose global
+            gradient norm is not finite, so the flagged rank puts a NaN into its gradient partition before the
+            norm is taken.  Either way the step is skipped on every rank, as plain ZeRO-3 skips it, and nothing
+            is refreshed.
+gathers     ``GatheredParameters.__exit__``: full-level params are pointed back at their replica views
+            instead of being left for the next forward to gather a second copy (after a ``modifier_rank``
+            write, every replica is first re-synchronised from the owners' partitions).
 checkpoints ``state_dict`` / ``_rigid_load_state_dict`` carry the bf16 replica partitions and our step
             counter; ``checkpoint_event_epilogue`` re-synchronises every replica exactly (``full_sync``)
             after a save or a load, so a resumed run continues like an uninterrupted one.
@@ -671,7 +677,7 @@ class SDP4BitState:
                                                 level=self.level)
         self.step = 0
         self.bucket = 0
-        self.nonfinite: Optional[torch.Tensor] = None   # fp16: bool [] "a local gradient was not finite"
+        self.nonfinite: Optional[torch.Tensor] = None   # bool [] "a local gradient was not finite"
         self.last_summary: Dict[str, Any] = {}
         self._prev = self._cumulative()
         # The persistent replica (layout, buffers, destination maps): built once, in attach().
@@ -701,12 +707,13 @@ class SDP4BitState:
             grads = [g.to(communication_data_type) for g in grads]
         if opt.postscale_gradients and opt.gradient_predivide_factor != 1.0:
             grads = [g.div(opt.gradient_predivide_factor) for g in grads]
-        if opt.dtype == torch.float16:
-            # DeepSpeed finds fp16 overflows in the *reduced* partitions; a quantizer may turn an inf into
-            # finite garbage on the way, so look at the local inputs while they are still exact.  The flag
-            # stays on the device (no host sync here); has_overflow folds it into DeepSpeed's tracker.
-            bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
-            self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
+        # DeepSpeed finds non-finite gradients in the *reduced* partitions (fp16: has_overflow; bf16/fp32: a
+        # non-finite global norm); a quantizer may turn an inf into finite garbage on the way, so look at the
+        # local inputs while they are still exact, in every dtype.  The flag stays on the device (no host
+        # sync here); has_overflow (fp16) or flag_nonfinite_for_norm (bf16/fp32) hands it to DeepSpeed.
+        # one fused pass, no sync; fp32 norms, so a large but finite fp16 gradient does not read as inf
+        bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).all()
+        self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
         parts = self.reducer.reduce_scatter(grads, op="mean", step=self.step, bucket_id=self.bucket)
         self.bucket += 1
         if (opt.postscale_gradients and opt.gradient_predivide_factor != 1.0
@@ -719,6 +726,34 @@ class SDP4BitState:
         if communication_data_type != opt.gradient_accumulation_dtype:
             parts = [g.to(opt.gradient_accumulation_dtype) for g in parts]
         return parts
+
+    def flag_nonfinite_for_norm(self, opt) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        """bf16/fp32: make DeepSpeed skip the step when a local gradient of this rank was not finite.
+
+        There DeepSpeed has no overflow check; it skips a step whose global gradient norm (summed over the
+        ranks) is not finite, which is what plain ZeRO-3 does with an inf/NaN gradient.  The quantized
+        reduce-scatter may have delivered finite garbage instead, so a flagged rank writes a NaN into one
+        element of its own gradient partition: the norm is NaN on every rank and DeepSpeed skips the step
+        everywhere (``overflow``, ``skipped_steps``, gradients dropped) as for plain ZeRO-3, with no extra
+        collective.  All on the device (``where`` on the flag, no host sync): an unflagged rank's element is
+        rewritten with its own value.  Returns (that element, its value) for :meth:`unflag`, or None.
+        """
+        if self.nonfinite is None or opt.dtype == torch.float16:
+            return None
+        for i, group in enumerate(opt.fp16_groups):
+            for j, p in enumerate(group):
+                if p.requires_grad:
+                    g = opt.averaged_gradients[i][j].view(-1)[:1]
+                    saved = g.clone()
+                    g.copy_(torch.where(self.nonfinite, torch.full_like(g, float("nan")), g))
+                    return g, saved
+        return None
+
+    def unflag(self, flagged: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Undo :meth:`flag_nonfinite_for_norm` on a flagged rank (device-side; the step was skipped there)."""
+        if flagged is not None:
+            g, saved = flagged
+            g.copy_(torch.where(self.nonfinite, saved, g))
 
     # -- weights ------------------------------------------------------------------------------------------
     def _node_replica_active(self) -> bool:
@@ -1071,14 +1106,22 @@ def _has_overflow(orig):
 
 def _step(orig):
     # The whole DeepSpeed step runs unchanged (our pieces are hooked inside it); afterwards we advance the
-    # step counter of the rounding streams and record the communication summary.  An fp16 overflow returns
-    # early from DeepSpeed's step, before any refresh: the replicas stay as they were.
+    # step counter of the rounding streams and record the communication summary.  An overflow (fp16) or a
+    # non-finite gradient norm (bf16/fp32: flag_nonfinite_for_norm) returns early from DeepSpeed's step,
+    # before any refresh: the replicas stay as they were.  DeepSpeed has partitioned every parameter by then
+    # and skips _post_step, so full-level params are pointed back at their (unchanged) replicas here.
     @functools.wraps(orig)
     def step(self, *args, **kwargs):
         st = _active(self)
         if st is None:
             return orig(self, *args, **kwargs)
-        result = orig(self, *args, **kwargs)
+        flagged = st.flag_nonfinite_for_norm(self)
+        try:
+            result = orig(self, *args, **kwargs)
+        finally:
+            st.unflag(flagged)
+        if self.overflow:
+            st.point_params()
         st.end_step(self)
         return result
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -21,16 +21,49 @@ VOCAB = 64
 SEQ = 32
 
 
+# Set to 1 to run the suite as if the CPU had no fp16 (as on an AMD EPYC without AVX512-FP16): fp16 engine
+# tests are skipped, and DeepSpeed itself (in this process and in every spawned worker, which inherit the
+# environment) refuses fp16 engines.  .ci/run runs the engine tests this way too.
+NO_FP16_ENV = "SDP4BIT_TEST_NO_FP16"
+
+
+def fp16_masked() -> bool:
+    """True when ``SDP4BIT_TEST_NO_FP16`` asks to hide fp16 support."""
+    return os.environ.get(NO_FP16_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def prepare_deepspeed_env() -> None:
     """Settings that must be in place before ``deepspeed`` builds an engine in a CPU test worker.
 
     DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce op (``deepspeed_shm_comm``) on first
     use, which costs ~40 s: marking it incompatible makes DeepSpeed use the plain torch.distributed path.
+    With ``SDP4BIT_TEST_NO_FP16`` set the accelerator answers that fp16 is not supported, as it does on a
+    CPU without fp16 (DeepSpeed then refuses fp16 engines with "Type fp16 is not supported on your device").
     """
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if fp16_masked():
+        from deepspeed.accelerator import get_accelerator
+
+        # an instance attribute shadows the method (supported_dtypes() and DeepSpeed's checks call it)
+        get_accelerator().is_fp16_supported = lambda: False
+
+
+def fp16_support() -> Tuple[bool, str]:
+    """(whether DeepSpeed builds fp16 engines here, why not) -- the reason is what a skipped test prints."""
+    prepare_deepspeed_env()
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    if fp16_masked():
+        return False, (f"fp16 masked by {NO_FP16_ENV}={os.environ[NO_FP16_ENV]} (the suite runs as on a CPU "
+                       f"without fp16)")
+    if acc.is_fp16_supported():
+        return True, ""
+    return False, (f"DeepSpeed's {acc.device_name()} accelerator does not support fp16 on this machine "
+                   f"(is_fp16_supported() is falsy; DeepSpeed refuses fp16 engines here)")
 
 
 class _Block(nn.Module):
