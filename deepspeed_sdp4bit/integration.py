@@ -235,14 +235,18 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
     cfg = parse_ds_config(ds_config)
     if not cfg.active:
         return RunPlan(ds_config, cfg)
+    off = cfg.model_copy(update={"enabled": False})
+    if world_size == 1:
+        # before the topology: a single process needs no LOCAL_WORLD_SIZE, and a cluster's gpus_per_node holds
+        return RunPlan(ds_config, off, "world size 1: there is nothing to send")
+    setting = cfg.topology.gpus_per_node
+    if setting is not None and int(setting) >= world_size:
+        setting = world_size   # a node larger than the job: every rank is on one node
     try:
-        gpn = resolve_gpus_per_node(cfg.topology.gpus_per_node, world_size)
+        gpn = resolve_gpus_per_node(setting, world_size)
     except ValueError as e:
         raise SDP4BitConfigError(str(e)) from None
     nodes = world_size // gpn
-    off = cfg.model_copy(update={"enabled": False})
-    if world_size == 1:
-        return RunPlan(ds_config, off, "world size 1: there is nothing to send")
     if nodes == 1 and not cfg.quantize_single_node:
         return RunPlan(ds_config, off, f"one node of {gpn} ranks: no inter-node link to save, and inside a node "
                                        f"ZeRO-3's bf16 collectives are faster than quantized ones; set "
@@ -290,7 +294,8 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
         for key in ("stage3_param_persistence_threshold", "stage3_model_persistence_threshold"):
             alias = key[len("stage3_"):]
             for k in (key, alias):
-                if k in zero and int(zero[k]) < big:
+                # (an HF "auto" there, filled by transformers only later, is replaced as well)
+                if k in zero and isinstance(zero[k], int) and not isinstance(zero[k], bool) and zero[k] < big:
                     warnings.warn(f"sdp4bit.weights.replica='full' keeps every parameter whole on every "
                                   f"rank: overriding zero_optimization.{k}={zero[k]}")
                 zero.pop(k, None)
@@ -325,12 +330,22 @@ def _model_size(model) -> Optional[int]:
 
 
 def _device_bytes() -> Optional[int]:
+    """One accelerator's memory, the smallest over the ranks (every rank must choose the same replica), or
+    None when some accelerator cannot say."""
+    import torch.distributed as tdist
     from deepspeed.accelerator import get_accelerator
 
+    acc = get_accelerator()
     try:
-        return int(get_accelerator().total_memory())
+        mine = int(acc.total_memory())
     except Exception:  # noqa: BLE001 - an accelerator that cannot say: the replica is chosen without it
-        return None
+        mine = -1
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        dev = "cpu" if tdist.get_backend() == "gloo" else acc.current_device_name()
+        t = torch.tensor([mine], dtype=torch.int64, device=dev)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
+        mine = int(t.item())
+    return mine if mine > 0 else None
 
 
 def _mark_off(engine, reason: str) -> None:
@@ -377,7 +392,8 @@ def _make_initialize(orig_initialize):
         for line in plan.notes if plan.off_reason is None else []:
             _say(line)
         if not cfg.active:
-            _prepare_hpz_group(ds_config)
+            if plan.off_reason is not None:   # plain configs are DeepSpeed's business, untouched
+                _prepare_hpz_group(ds_config)
             result = orig_initialize(*bound.args, **bound.kwargs)
             if plan.off_reason is not None:
                 _say(f"off, training is plain ZeRO-3 ({plan.off_reason})")
@@ -401,6 +417,15 @@ def _make_initialize(orig_initialize):
         a["config"] = new_config
         _prepare_hpz_group(new_config)
         result = orig_initialize(*bound.args, **bound.kwargs)
+        from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+        if isinstance(getattr(result[0], "optimizer", None), DeepSpeedZeRoOffload):
+            # no optimizer (an inference engine, e.g. the HF Trainer's evaluate() before any training): no
+            # gradients to reduce, no step to refresh; the config stays prepared (hpZ as zero.Init partitioned)
+            reason = "no optimizer in this engine: nothing to reduce or refresh"
+            _say(f"off, the engine runs as plain ZeRO-3 ({reason})")
+            _mark_off(result[0], reason)
+            return result
         attach(result[0], cfg)
         return result
 

@@ -833,7 +833,7 @@ def test_version_check_and_idempotent_install():
     with pytest.raises(ImportError, match="0.19"):
         integration.check_deepspeed_version("0.18.4")
     before = deepspeed.initialize
-    gp = GatheredParameters.__dict__["_partition_params"].__func__
+    gp = GatheredParameters.__exit__
     assert integration.install() and integration.install()
     assert deepspeed.initialize is before and getattr(before, "_sdp4bit_wrapped", False)
-    assert GatheredParameters.__dict__["_partition_params"].__func__ is gp and gp._sdp4bit_wrapped
+    assert GatheredParameters.__exit__ is gp and gp._sdp4bit_wrapped

@@ -100,3 +100,27 @@ def test_explicit_replica_is_kept_whatever_the_size():
     assert plan.cfg.weights.replica == "node" and not plan.notes
     with pytest.raises(NotImplementedError, match="replica='full'"):
         plan_run(_ds({"topology": {"gpus_per_node": 1}, "weights": {"replica": "node"}}), 4)
+
+
+def test_world_size_one_needs_no_topology(monkeypatch):
+    # python train.py / a notebook: no launcher variables; a cluster's gpus_per_node in the file
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    for block in ({}, {"topology": {"gpus_per_node": 8}}):
+        plan = plan_run(_ds(block), 1)
+        assert not plan.cfg.active and "world size 1" in plan.off_reason
+
+
+def test_a_node_larger_than_the_job_is_one_node():
+    plan = plan_run(_ds({"topology": {"gpus_per_node": 8}}), 4)
+    assert not plan.cfg.active and "one node of 4 ranks" in plan.off_reason
+    with pytest.raises(SDP4BitConfigError, match="must divide"):
+        plan_run(_ds({"topology": {"gpus_per_node": 3}}), 4)
+
+
+def test_hf_auto_persistence_threshold_is_replaced_for_the_full_replica():
+    # HF's ZeRO-3 template says "auto" there and fills it only after the model is built
+    ds = _ds({"topology": {"gpus_per_node": 1}, "weights": {"replica": "full"}},
+             stage3_param_persistence_threshold="auto")
+    plan = plan_run(ds, 4)
+    assert plan.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] >= 1 << 40
