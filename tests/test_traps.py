@@ -20,7 +20,10 @@ import pytest
 
 from dist_utils import run_distributed
 
-TOPO2 = {"topology": {"gpus_per_node": 2}, "kernel_backend": "torch"}
+# the node replica spelt out (an omitted replica is chosen per run: full for this tiny model).  With the full
+# replica, the same-layout resume at the end of _worker4 differed from the uninterrupted run by 3e-6 at its
+# second step after the earlier trap engines of the process (exact in a process of its own: README, Support)
+TOPO2 = {"topology": {"gpus_per_node": 2}, "kernel_backend": "torch", "weights": {"replica": "node"}}
 
 
 def _frozen_model(seed=0):
