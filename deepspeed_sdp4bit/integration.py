@@ -372,7 +372,7 @@ def _make_initialize(orig_initialize):
             return orig_initialize(*bound.args, **bound.kwargs)
         ds_config = _load_config(config)
         # Validate before DeepSpeed does anything (a misspelt key must fail fast, on every rank alike).
-        parse_ds_config(ds_config)
+        requested = parse_ds_config(ds_config)
         import deepspeed.comm as ds_dist
         from deepspeed.accelerator import get_accelerator
 
@@ -386,8 +386,11 @@ def _make_initialize(orig_initialize):
         ds_dist.init_distributed(**init_kwargs)
         import torch.distributed as tdist
 
+        # the memory (a collective over the ranks) only where an omitted replica will be chosen from it
+        sized = (requested.active and requested.weights.enabled and requested.weights.replica is None
+                 and tdist.get_world_size() > 1)
         plan = plan_run(ds_config, tdist.get_world_size(), n_params=_model_size(a.get("model")),
-                        device_bytes=_device_bytes())
+                        device_bytes=_device_bytes() if sized else None)
         new_config, cfg = plan.ds_config, plan.cfg
         for line in plan.notes if plan.off_reason is None else []:
             _say(line)
