@@ -263,3 +263,10 @@ def _write(out_dir: str, out: dict) -> None:
 
 if __name__ == "__main__":
     main()
+    # A clean shutdown: rank 0 evaluates the reloaded model alone, and a rank that left with its process group
+    # alive was seen to abort at interpreter exit (gloo on CPU: "terminate called without an active exception").
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
