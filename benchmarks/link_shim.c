@@ -197,9 +197,9 @@ static int nonblocking(int fd, int flags) {
 
 /* Reserve n bytes (n <= burst), sleeping until the bucket has paid for them. */
 static void take(size_t n) {
-    int64_t t = now_ns();
     double wait_s;
     pthread_mutex_lock(&lock);
+    int64_t t = now_ns();  /* inside the lock: the clock seen by the bucket never goes backwards */
     tokens += (t - last_ns) * 1e-9 * rate;
     if (tokens > burst) tokens = burst;
     last_ns = t;
@@ -236,17 +236,16 @@ static void settle(size_t reserved, ssize_t sent) {
 
 static size_t chunk_of(size_t left) { return left < (size_t)burst ? left : (size_t)burst; }
 
-/* One paced operation on a flat buffer: kind 0 send, 1 sendto, 2 write. */
-static ssize_t paced_flat(int kind, int fd, const char *buf, size_t len, int flags, const struct sockaddr *to,
-                          socklen_t tolen) {
-    int nb = nonblocking(fd, kind == 2 ? 0 : flags);
+/* One call of the real function on bytes [off, off + n) of the caller's buffer. */
+typedef ssize_t (*chunk_fn)(const void *ctx, size_t off, size_t n);
+
+/* Pace len bytes chunk by chunk: all of them on a blocking socket, at most one chunk on a non-blocking one. */
+static ssize_t paced(size_t len, int nb, chunk_fn fn, const void *ctx) {
     size_t total = 0;
     do {
         size_t n = chunk_of(len - total);
         take(n);
-        ssize_t r = kind == 0   ? real_send(fd, buf + total, n, flags)
-                    : kind == 1 ? real_sendto(fd, buf + total, n, flags, to, tolen)
-                                : real_write(fd, buf + total, n);
+        ssize_t r = fn(ctx, total, n);
         settle(n, r);
         if (r < 0) return total ? (ssize_t)total : r;
         total += (size_t)r;
@@ -255,23 +254,46 @@ static ssize_t paced_flat(int kind, int fd, const char *buf, size_t len, int fla
     return (ssize_t)total;
 }
 
-/* The first `limit` bytes of iov as a new iovec list in out (at most MAX_IOV entries); returns its count. */
-static int clip_iov(const struct iovec *iov, int cnt, size_t skip, size_t limit, struct iovec *out) {
+struct flat { int kind, fd, flags; const char *buf; const struct sockaddr *to; socklen_t tolen; };
+
+static ssize_t flat_chunk(const void *ctx, size_t off, size_t n) {
+    const struct flat *c = (const struct flat *)ctx;
+    return c->kind == 0   ? real_send(c->fd, c->buf + off, n, c->flags)
+           : c->kind == 1 ? real_sendto(c->fd, c->buf + off, n, c->flags, c->to, c->tolen)
+                          : real_write(c->fd, c->buf + off, n);
+}
+
+/* kind 0 send, 1 sendto, 2 write */
+static ssize_t paced_flat(int kind, int fd, const char *buf, size_t len, int flags, const struct sockaddr *to,
+                          socklen_t tolen) {
+    struct flat c = {kind, fd, flags, buf, to, tolen};
+    return paced(len, nonblocking(fd, kind == 2 ? 0 : flags), flat_chunk, &c);
+}
+
+struct vec { int fd, flags, cnt; const struct iovec *iov; const struct msghdr *msg; };
+
+static ssize_t vec_chunk(const void *ctx, size_t off, size_t n) {
+    const struct vec *c = (const struct vec *)ctx;
+    struct iovec part[MAX_IOV];
     int k = 0;
-    for (int i = 0; i < cnt && limit > 0; i++) {
-        size_t l = iov[i].iov_len;
+    size_t skip = off;
+    for (int i = 0; i < c->cnt && n > 0; i++) {  /* bytes [off, off + n) of the iovec list */
+        size_t l = c->iov[i].iov_len;
         if (skip >= l) {
             skip -= l;
             continue;
         }
-        size_t take_n = l - skip < limit ? l - skip : limit;
-        out[k].iov_base = (char *)iov[i].iov_base + skip;
-        out[k].iov_len = take_n;
-        k++;
-        limit -= take_n;
+        size_t m = l - skip < n ? l - skip : n;
+        part[k].iov_base = (char *)c->iov[i].iov_base + skip;
+        part[k++].iov_len = m;
+        n -= m;
         skip = 0;
     }
-    return k;
+    if (!c->msg) return real_writev(c->fd, part, k);
+    struct msghdr mh = *c->msg;
+    mh.msg_iov = part;
+    mh.msg_iovlen = (size_t)k;
+    return real_sendmsg(c->fd, &mh, c->flags);
 }
 
 /* writev (msg == NULL) or sendmsg, paced chunk by chunk over the iovec list. */
@@ -279,34 +301,16 @@ static ssize_t paced_vec(int fd, const struct iovec *iov, int cnt, const struct 
     size_t len = 0;
     for (int i = 0; i < cnt; i++) len += iov[i].iov_len;
     if (len == 0 || cnt > MAX_IOV || (msg && msg->msg_controllen)) {
-        /* nothing to pace, a call the kernel refuses anyway, or ancillary data: pay for it whole */
-        if (len) take(len < (size_t)burst ? len : (size_t)burst);
+        /* nothing to pace, a call the kernel refuses anyway, or ancillary data: one call, paid in full up front
+         * (a reservation above the burst is a debt the caller sleeps off) */
+        size_t n = len;
+        if (n) take(n);
         ssize_t r = msg ? real_sendmsg(fd, msg, flags) : real_writev(fd, iov, cnt);
-        if (len) settle(len < (size_t)burst ? len : (size_t)burst, r);
+        if (n) settle(n, r);
         return r;
     }
-    int nb = nonblocking(fd, msg ? flags : 0);
-    struct iovec part[MAX_IOV];
-    size_t total = 0;
-    do {
-        size_t n = chunk_of(len - total);
-        int k = clip_iov(iov, cnt, total, n, part);
-        take(n);
-        ssize_t r;
-        if (msg) {
-            struct msghdr m = *msg;
-            m.msg_iov = part;
-            m.msg_iovlen = (size_t)k;
-            r = real_sendmsg(fd, &m, flags);
-        } else {
-            r = real_writev(fd, part, k);
-        }
-        settle(n, r);
-        if (r < 0) return total ? (ssize_t)total : r;
-        total += (size_t)r;
-        if ((size_t)r < n || nb) break;
-    } while (total < len);
-    return (ssize_t)total;
+    struct vec c = {fd, flags, cnt, iov, msg};
+    return paced(len, nonblocking(fd, msg ? flags : 0), vec_chunk, &c);
 }
 
 /* ------------------------------------------------------------------------------------------ interposed */
