@@ -101,8 +101,8 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point]
     """Fit points from throughput rows (ok, several ranks, a compute bound, bytes, and a known link rate)."""
     out, skipped = [], []
     for r in rows:
-        if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2:
-            continue
+        if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2 or r.get("reused_from"):
+            continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again
         if not r.get("bound_ms") or not r.get("wire_bytes_total"):
             skipped.append(f"{r.get('row_id')}: no compute bound or bytes")
             continue
