@@ -8,7 +8,8 @@ Questions:
   e2e          step time of the GPT per config x topology (``--ranks-per-gpu`` / ``--share-gpu``: several
                ranks on one GPU, each its own NCCL host)
   accuracy     loss of the GPT per config x topology x seed, with a world-1 replay reference for ZeRO-3
-  projection   a model of bytes and communication time per step at scale (not a measurement)
+  linkrate     the bandwidth knob (an LD_PRELOAD rate limit on TCP egress): the rate each setting really gives
+  projection   a step-time model fitted on the measured rows: step time and speed-up at a user's scale
   report       tables (markdown), plots (PNG) and the README headline from the committed results
   merge        merge rows of results files (brought back from a GPU machine) into the committed ones
 
@@ -32,12 +33,13 @@ def main(argv=None) -> int:
     for name, helptext in (("e2e", "step time per config x topology"),
                            ("accuracy", "loss per config x topology x seed"),
                            ("collectives", "collectives alone; --layout gpt: the weight refresh"),
+                           ("linkrate", "the rate each setting of the bandwidth knob really gives"),
                            ("report", "tables, plots and the README headline"),
                            ("merge", "merge results rows (e.g. from a GPU machine) into the committed files")):
         if argv and argv[0] != name and argv[0] not in ("-h", "--help"):
             sub.add_parser(name, help=helptext)  # listed; its module is imported only when asked for
             continue
-        mod = importlib.import_module(f".{'report' if name == 'merge' else name}", __package__)
+        mod = importlib.import_module(f".{ {'merge': 'report', 'linkrate': 'link'}.get(name, name)}", __package__)
         sp = sub.add_parser(name, help=helptext, description=mod.__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "merge":
@@ -48,7 +50,8 @@ def main(argv=None) -> int:
             sp.set_defaults(func=mod.run)
     # kernels and projection keep their own command lines: everything after the question goes to them.
     sub.add_parser("kernels", help="kernel bandwidth (benchmarks/bench_kernels.py's options)", add_help=False)
-    sub.add_parser("projection", help="bytes and time per step at scale (benchmarks/projection.py's options)",
+    sub.add_parser("projection", help="step time and speed-up at scale, fitted on the measured rows "
+                   "(benchmarks/projection.py's options)",
                    add_help=False)
     sub.add_parser("accuracy-sim", help="loss-gap causes: W ranks simulated in one process through the real "
                    "quantization code (benchmarks/accuracy_sim.py's options)", add_help=False)

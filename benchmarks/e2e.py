@@ -13,6 +13,13 @@ DeepSpeed's traffic by formula over the parameter count P and world W (persisten
 ZeRO++ scales ignored): ZeRO-3 bf16 all-gather in forward and in backward, 2 x 2P(W-1)/W, and reduce-scatter
 2P(W-1)/W; ZeRO++ (hpZ 1) int8 gathers 2 x P(W-1)/W and 4-bit qgZ P(W-1)/(2W); SDP4Bit replica node: bf16
 gathers inside the node 2 x 2P(g-1)/g; replica full: none.
+
+Under the bandwidth knob (``--link-gbps R [R ...]``, benchmarks/link.py: an LD_PRELOAD limit of each rank's TCP
+egress; share-GPU mode or ``--transport sockets`` or CPU) every config runs once per rate; rows carry
+``link_gbps`` (requested; null = unshaped), ``link_measured_gbps`` / ``link_measured_source`` (the newest
+``linkrate`` collective row with the same settings and machine, from OUT/linkrate.json or ``--link-rates-from``;
+null when none was measured yet), ``nccl_socket_nthreads`` / ``nccl_nsocks_perthread`` (null = NCCL's default)
+and ``link_stats`` (the shim's own count: bytes the busiest process sent, seconds it slept).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from . import suite
+from . import link, suite
 
 SLOW_DEFAULT = ["zero3", "zeropp", "tlq_hs"]
 
@@ -55,6 +62,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=420.0, help="seconds per config before it is killed")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds for the whole call: configs that would start too late are recorded as skipped")
+    p.add_argument("--link-gbps", nargs="+", default=None, metavar="R",
+                   help="run every config under the bandwidth knob at each rate R (Gb/s of TCP egress per rank; "
+                        "'off' = unshaped), see benchmarks/link.py")
+    p.add_argument("--nccl-sockets", default="default", metavar="TxS",
+                   help="NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD, e.g. 4x4 (default: NCCL's own)")
+    p.add_argument("--link-rates-from", nargs="*", default=[str(suite.ONE_GPU / "linkrate.json")],
+                   help="linkrate row files to take each rate's measured value from (besides OUT/linkrate.json)")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for train_gpt.py (repeat; e.g. --train-arg=--zero-init)")
 
@@ -107,6 +121,15 @@ def run(args) -> int:
     if args.warmup < 1 or (args.warmup_slow is not None and args.warmup_slow < 1):
         raise SystemExit("e2e: --warmup and --warmup-slow must be >= 1 (the first step includes one-time work)")
     variants = [suite.Variant.parse(c) for c in args.configs]
+    try:
+        rates = [link.parse_gbps(g) for g in args.link_gbps] if args.link_gbps else [None]
+        threads, nsocks = link.parse_sockets(args.nccl_sockets)
+    except ValueError as e:
+        raise SystemExit(f"e2e: {e}")
+    if (args.link_gbps or threads) and not cpu and not args.share_gpu and args.ranks_per_gpu == 1 \
+            and args.transport != "sockets":
+        raise SystemExit("e2e: --link-gbps / --nccl-sockets concern TCP traffic: use them with --share-gpu / "
+                         "--ranks-per-gpu, --transport sockets, or on CPU (NVLink and shared memory bypass sockets)")
     topos = sorted({t: suite.parse_topology(t) for t in args.topologies}.items(),
                    key=lambda kv: (kv[1][0] * kv[1][1], kv[0]))  # 1x1 first: it gives the bound
     out = Path(args.out)
@@ -132,7 +155,16 @@ def run(args) -> int:
                 pass
         return found
 
-    for model in args.models:
+    def link_rows() -> List[dict]:
+        found: List[dict] = []
+        for f in [out / "linkrate.json"] + [Path(x) for x in args.link_rates_from]:
+            try:
+                found += suite.load_rows(f)
+            except (OSError, ValueError, json.JSONDecodeError):
+                pass
+        return found
+
+    for gbps, model in ((g, m) for g in rates for m in args.models):  # every config once per link rate
         shape = suite.MODELS[model]
         for topo, (nodes, gpn) in topos:
             world = nodes * gpn
@@ -146,7 +178,8 @@ def run(args) -> int:
                 slow = v.config in args.slow
                 warmup = args.warmup_slow if slow and args.warmup_slow is not None else args.warmup
                 steps = warmup + (args.timed_slow if slow else args.timed)
-                name = f"{model}_{topo}_{v.label.replace(':', '-')}"
+                name = f"{model}_{topo}_{v.label.replace(':', '-')}" + (f"_{link.label(gbps)}g" if args.link_gbps
+                                                                        else "")
                 row = {"row_id": f"{run_id}/{name}", "run_id": run_id, "created": meta["created"],
                        "commit": meta["commit"], "gpu": gpu, "machine": suite.device_label(meta["machine"]),
                        "config": v.config, "variant": v.label, "replica_requested": v.replica,
@@ -155,7 +188,8 @@ def run(args) -> int:
                        "micro_batch": args.micro_batch, "seq": args.seq, "warmup_steps": warmup,
                        "mode": ("cpu gloo" if cpu else ("share-GPU sockets" if share else
                                                         f"{n_gpus} GPUs, {args.transport}")) if world > 1
-                       else ("cpu" if cpu else "1 GPU")}
+                       else ("cpu" if cpu else "1 GPU"),
+                       "link_gbps": gbps, "nccl_socket_nthreads": threads, "nccl_nsocks_perthread": nsocks}
                 if v.replica == "node" and gpn == 1 and nodes > 1:
                     row.update(status="skipped", reason="replica node with one rank per node is the full "
                                                         "replica; the integration refuses it")
@@ -174,7 +208,7 @@ def run(args) -> int:
                 # model and rank count, and its row stands for every topology with those ranks.
                 row["topology_independent"] = (not one_gpu_flag
                                                and all(v.ds_set(g, share) == ds_set for g in (1, 2, 3)))
-                ikey = (model, v.label, world, rpg)
+                ikey = (model, v.label, world, rpg, gbps)
                 if row["topology_independent"] and ikey in independent:
                     src = independent[ikey]
                     keep = {k: row[k] for k in ("row_id", "topology", "nodes", "gpus_per_node")}
@@ -203,12 +237,20 @@ def run(args) -> int:
                 cmd, env = suite.launch_command(suite.TRAIN, targs, world, rpg, cpu)
                 if not cpu and not share:
                     env.update(suite.TRANSPORTS[args.transport])
+                stats_dir = work / f"{name}_link"
+                env.update(link.knob_env(gbps, stats_dir, threads, nsocks))
                 row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
                 timeout = min(args.timeout, deadline.left() - 15)
                 print(f"[e2e] {name}: {steps} steps, timeout {timeout:.0f} s", flush=True)
                 rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
                 row.update(rc=rc, wall_s=round(wall, 1))
                 row.update(_summarize(log_json, warmup, v, world, gpn))
+                if gbps is not None:
+                    row["link_stats"] = link.stats_summary(link.read_stats(stats_dir))
+                if args.link_gbps:
+                    m = link.measured_rate(row, link_rows())
+                    row.update(link_measured_gbps=m["measured_gbps"] if m else None,
+                               link_measured_source=m["row_id"] if m else None)
                 if rc != 0 or row.get("status") != "ok":
                     row["status"] = "failed" if rc != "timeout" else "timeout"
                     row["error_tail"] = suite.log_tail(work / f"{name}.log")

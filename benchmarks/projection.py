@@ -1,61 +1,339 @@
-"""A paper model of communication per training step: bytes per GPU and time on a given inter-node link.
+"""``python -m benchmarks projection``: a step-time model fitted on the measured rows, and what it projects.
 
-This is a model, not a measurement.  Assumptions (stated so they can be argued with):
-  * Psi parameters, bf16 weights and gradients, one optimizer step per global batch, no gradient
-    accumulation; N nodes x G GPUs, data parallelism only; every collective is bandwidth-bound.
-  * The bottleneck is each node's inter-node link, ``link_gbps`` Gb/s shared by its G GPUs; intra-node links
-    are treated as free next to it (NVLink is 10-100x faster).  What must cross a node's link per step is the
-    data the node does not hold, (N-1)/N of the collective's payload, whatever the algorithm (ring or
-    hierarchical) -- a lower bound that NCCL's ring approaches.
-  * ZeRO-3: bf16 all-gather in forward and again in backward, bf16 reduce-scatter of gradients:
-    3 x 2 bytes/value.
-  * ZeRO++: qwZ int8 forward all-gather (+ fp32 scale per 2048 values), hpZ backward gather inside the node,
-    qgZ 4-bit gradients across nodes (+ scales, about one per row; taken as 1 per 2048): ~1 + 0.5 bytes/value.
-  * SDP4Bit: qWD 4-bit weight differences once per step (group 2048: 4.016 bits), gathers inside the node,
-    TLq-HS gradients at 4 bits + fp32 scale per 128 across nodes (4.25 bits): ~1.03 bytes/value.
-  * Kernel time: the quantize/dequantize passes over each GPU's share of values, at ``kernel_gbs`` GB/s
-    of logical bytes (measured in benchmarks/results when available); added to communication, not overlapped.
+The model (per config k: ``zero3``, ``zeropp``, ``sdp4bit/full``, ``sdp4bit/node``, ablations alike)::
+
+    step = c_k * C  +  X / e  -  phi_k * min(c_k * C, X / e)
+
+* ``C``: compute, the world-1 ZeRO-3 step of the same model x the ranks sharing one device (the rows'
+  ``bound_ms``; on a real cluster, one rank per GPU: the world-1 step itself).  ``c_k`` >= 1 takes in what a
+  config adds to it (quantize kernels, extra copies).
+* ``X``: bytes one rank sends per step (the rows' ``wire_bytes_total``; at scale the bytes crossing one node's
+  link, ``deepspeed_sdp4bit/step_bytes.py``) x 8 / the link rate.  In share-GPU mode every byte of every level
+  goes over the rank's own (shaped) TCP link; the rate is the one ``linkrate`` measured for that setting
+  (``link_measured_gbps``), else the requested one (said so).  ``e``: the fraction of that rate the training's
+  collectives get, one for all configs.
+* ``phi_k`` in [0, 1]: the overlap, the share of the shorter of compute and communication hidden under the
+  longer one.
+
+``e``, ``c_k`` and ``phi_k`` are fitted (least squares of log step times, grid then refined grid) on part of the
+measured rows with a link rate (``--split``: ``alternate`` = every other rate of each model / topology / config;
+``model:NAME`` = fit on the other models, check on NAME) and checked on the rest: the report gives the largest
+relative error on the check rows (goal: within 20%).
+
+Then, for a user's model size, nodes, GPUs per node and inter-node link rate (Gb/s per node; the intra-node
+level is free unless ``--intra-gbps`` is given), it prints the projected step time of ZeRO-3, ZeRO++ and
+SDP4Bit, SDP4Bit's speed-up, and the break-even rate below which SDP4Bit is faster.  Caveats, printed with
+it: the fit is made in share-GPU mode (ranks' compute serialized on one GPU), so its overlap need not carry over
+to one rank per GPU; the world-1 step time of the user's model is the user's (``--world1-ms``) or scaled from
+the measured one by parameter count.
+
+Without rows that have a link rate, only the bytes model is printed (bytes per GPU and pure transmission time,
+no compute, no overlap), as before this model existed.
 
     python -m benchmarks projection --params 1.3e9 --nodes 2 4 8 16 --gpus-per-node 8 --link-gbps 100
-
-prints per scheme: inter-node bytes per GPU per step and the projected communication time per step.  The
-bytes come from the project's one bytes model, ``deepspeed_sdp4bit/step_bytes.py`` (also behind
-``python -m deepspeed_sdp4bit --ds-config ... --params P``).
 """
+
+from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import link, suite  # noqa: E402
 from deepspeed_sdp4bit.config import parse_block  # noqa: E402
-from deepspeed_sdp4bit.step_bytes import SCHEMES, node_link_bytes, step_bytes  # noqa: E402
+from deepspeed_sdp4bit.step_bytes import node_link_bytes, step_bytes  # noqa: E402
 from deepspeed_sdp4bit.topology import TopologyShape  # noqa: E402
 
-# logical bytes the sdp4bit kernels touch per parameter per step on each GPU share (read + written):
-# gradients: bf16 in, 8-bit out (op 1), 8-bit in x G, 4-bit out (op 2), 4-bit in x N, bf16 out (op 3);
-# weights: fp32 master + bf16 replica in, 4-bit out, bf16 replica out (op 4), 4-bit in x N + bf16 rw (op 5).
-KERNEL_BYTES_PER_PARAM = {"zero3": 0.0, "zero++": 6.0, "sdp4bit": 14.0}
+# The paper's clusters (/work/shared/paper.md): rate per node and GPUs per node; per GPU = rate / GPUs.
+PAPER_CLUSTERS = [
+    {"name": "paper: Slingshot-10, 100 Gb/s per node of 4 A100", "label": "paper: Slingshot-10,\n 100 Gb/s / 4 A100",
+     "node_gbps": 100.0, "gpus_per_node": 4},
+    # the InfiniBand cluster (8 x H800 per node): the rate is not stated in paper.md, so it is not marked
+]
+GOAL = 0.20  # largest relative error allowed on the check rows (issue 23)
+
+# fit keys -> (scheme of step_bytes, sdp4bit block)
+def scheme_of(key: str) -> Tuple[str, Optional[dict]]:
+    name, _, replica = key.partition("/")
+    if name == "zero3":
+        return "zero3", None
+    if name == "zeropp":
+        return "zero++", None
+    if name == "sdp4bit":
+        return "sdp4bit", {"weights": {"replica": replica or "full"}}
+    raise ValueError(f"no bytes model for config {key!r} at scale (zero3, zeropp, sdp4bit/full, sdp4bit/node)")
 
 
-def project(params, nodes, gpus_per_node, link_gbps, kernel_gbs):
-    rows = []
-    cfg = parse_block({})  # the default block: the paper's SDP4Bit
+def fit_key(row: dict) -> str:
+    """The config a row measured: its configs/ name, with the replica the engine ran for SDP4Bit configs."""
+    rep = row.get("replica") or row.get("replica_requested")
+    return row["config"] if row["config"] in ("zero3", "zeropp") or not rep else f"{row['config']}/{rep}"
+
+
+# ------------------------------------------------------------------------------------------- points
+
+@dataclass
+class Point:
+    key: str
+    model: str
+    topology: str
+    C: float            # ms: compute (bound_ms)
+    bytes: float        # per rank per step
+    gbps: float         # link rate of the point
+    rate_source: str    # "measured" / "requested"
+    ms: float           # measured step time (0 for synthetic curves)
+    row_id: str = ""
+    link_gbps: Optional[float] = None  # requested (None: unshaped)
+
+    @property
+    def X(self) -> float:  # ms to send the bytes at the rate
+        return self.bytes * 8 / (self.gbps * 1e9) * 1e3
+
+
+def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point], List[str]]:
+    """Fit points from throughput rows (ok, several ranks, a compute bound, bytes, and a known link rate)."""
+    out, skipped = [], []
+    for r in rows:
+        if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2 or r.get("reused_from"):
+            continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again
+        if not r.get("bound_ms") or not r.get("wire_bytes_total"):
+            skipped.append(f"{r.get('row_id')}: no compute bound or bytes")
+            continue
+        gbps, src = r.get("link_measured_gbps"), "measured"
+        if not gbps:
+            m = link.measured_rate(r, link_rows)
+            gbps = m["measured_gbps"] if m else None
+        if not gbps and r.get("link_gbps"):
+            gbps, src = r["link_gbps"], "requested"
+        if not gbps:
+            skipped.append(f"{r.get('row_id')}: unshaped and no linkrate measurement of that setting")
+            continue
+        out.append(Point(fit_key(r), r["model"], r["topology"], float(r["bound_ms"]), float(r["wire_bytes_total"]),
+                         float(gbps), src, float(r["ms_per_step"]), r.get("row_id", ""), r.get("link_gbps")))
+    return out, skipped
+
+
+def split(pts: Sequence[Point], how: str = "alternate") -> Tuple[List[Point], List[Point]]:
+    """(fit, check).  ``alternate``: per (config, model, topology), rates in order, every other one is checked
+    (the lowest and highest are fitted when there are three or more).  ``model:NAME``: NAME's rows are checked."""
+    if how.startswith("model:"):
+        name = how.split(":", 1)[1]
+        return [p for p in pts if p.model != name], [p for p in pts if p.model == name]
+    if how != "alternate":
+        raise ValueError(f"--split must be 'alternate' or 'model:NAME', got {how!r}")
+    groups: Dict[tuple, List[Point]] = {}
+    for p in pts:
+        groups.setdefault((p.key, p.model, p.topology), []).append(p)
+    fit, check = [], []
+    for g in groups.values():
+        g = sorted(g, key=lambda p: (p.gbps, p.row_id))
+        for i, p in enumerate(g):
+            (check if i % 2 == 1 and i != len(g) - 1 else fit).append(p)
+    return fit, check
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+def step_ms(C, X, c: float, phi: float, e: float):
+    """The model's step time (works on floats and numpy arrays alike)."""
+    import numpy as np
+    comp, comm = c * np.asarray(C, dtype=float), np.asarray(X, dtype=float) / e
+    return comp + comm - phi * np.minimum(comp, comm)
+
+
+@dataclass
+class Fit:
+    e: float
+    c: Dict[str, float]
+    phi: Dict[str, float]
+    n_fit: Dict[str, int] = field(default_factory=dict)
+    loss: float = 0.0
+
+    def predict(self, p: Point) -> Optional[float]:
+        if p.key not in self.c:
+            return None
+        return float(step_ms(p.C, p.X, self.c[p.key], self.phi[p.key], self.e))
+
+    def as_dict(self) -> dict:
+        return {"e": self.e, "c": self.c, "phi": self.phi, "n_fit": self.n_fit, "loss": self.loss}
+
+
+def _best_for_key(C, X, T, e: float, cs, phis):
+    """Best (sse, c, phi) of one config's points for a given e over the grids cs x phis."""
+    import numpy as np
+    comm = X / e                                                     # (n,)
+    comp = cs[:, None] * C[None, :]                                  # (nc, n)
+    pred = comp[:, None, :] + comm[None, None, :] - phis[None, :, None] * np.minimum(comp, comm)[:, None, :]
+    sse = (np.log(pred / T) ** 2).sum(-1)                           # (nc, nphi)
+    i, j = np.unravel_index(np.argmin(sse), sse.shape)
+    return float(sse[i, j]), float(cs[i]), float(phis[j])
+
+
+def fit(pts: Sequence[Point], e_range=(0.05, 2.0), c_range=(0.2, 4.0)) -> Fit:
+    """Least squares of log step times over e (shared) and c_k, phi_k (per config): a grid, then a finer grid
+    around the best point (deterministic; no optimizer library needed)."""
+    import numpy as np
+    if not pts:
+        raise ValueError("no points to fit")
+    by: Dict[str, List[Point]] = {}
+    for p in pts:
+        by.setdefault(p.key, []).append(p)
+    arrays = {k: (np.array([p.C for p in v]), np.array([p.X for p in v]), np.array([p.ms for p in v]))
+              for k, v in by.items()}
+
+    def search(es, grids):
+        best = None
+        for e in es:
+            tot, cs_, ph_ = 0.0, {}, {}
+            for k, (C, X, T) in arrays.items():
+                s, c, ph = _best_for_key(C, X, T, e, *grids[k])
+                tot, cs_[k], ph_[k] = tot + s, c, ph
+            if best is None or tot < best[0]:
+                best = (tot, float(e), cs_, ph_)
+        return best
+
+    cs0, phis0 = np.linspace(*c_range, 76), np.linspace(0.0, 1.0, 41)
+    log_es = np.linspace(math.log(e_range[0]), math.log(e_range[1]), 61)
+    tot, e, cs, phs = search(np.exp(log_es), {k: (cs0, phis0) for k in arrays})
+    de, dc, dph = log_es[1] - log_es[0], cs0[1] - cs0[0], phis0[1] - phis0[0]
+    for _ in range(12):  # a grid of +-2 steps around the best point, then half the step
+        es = np.exp(np.linspace(math.log(e) - 2 * de, math.log(e) + 2 * de, 17))
+        grids = {k: (np.linspace(max(c_range[0], cs[k] - 2 * dc), min(c_range[1], cs[k] + 2 * dc), 17),
+                     np.linspace(max(0.0, phs[k] - 2 * dph), min(1.0, phs[k] + 2 * dph), 17)) for k in arrays}
+        tot, e, cs, phs = search(es, grids)
+        de, dc, dph = de / 2, dc / 2, dph / 2
+    return Fit(e, cs, phs, {k: len(v) for k, v in by.items()}, tot)
+
+
+def check(f: Fit, pts: Sequence[Point]) -> List[dict]:
+    """Predicted vs measured per point: ``{"row_id", "key", "model", "topology", "gbps", "ms", "pred", "rel"}``."""
+    out = []
+    for p in pts:
+        pred = f.predict(p)
+        out.append({"row_id": p.row_id, "key": p.key, "model": p.model, "topology": p.topology, "gbps": p.gbps,
+                    "rate_source": p.rate_source, "ms": p.ms, "pred": pred,
+                    "rel": None if pred is None else pred / p.ms - 1})
+    return out
+
+
+def fit_and_check(rows: Sequence[dict], link_rows: Sequence[dict], how: str = "alternate") -> Optional[dict]:
+    """Everything the report and the command line need; None when no measured row has a link rate."""
+    pts, skipped = points(rows, link_rows)
+    if not pts:
+        return None
+    fit_pts, check_pts = split(pts, how)
+    if not fit_pts:
+        return None
+    f = fit(fit_pts)
+    checked = check(f, check_pts)
+    errs = [abs(c["rel"]) for c in checked if c["rel"] is not None]
+    return {"fit": f, "split": how, "fit_rows": check(f, fit_pts), "check_rows": checked, "skipped": skipped,
+            "max_check_error": max(errs) if errs else None, "points": pts}
+
+
+# ------------------------------------------------------------------------------------------- at scale
+
+def cluster_step(f: Fit, key: str, params: float, nodes: int, gpn: int, node_gbps: float, world1_ms: float,
+                 intra_gbps: Optional[float] = None) -> Optional[dict]:
+    """Projected step of config ``key`` for ``params`` values on nodes x gpn GPUs, ``node_gbps`` per node."""
+    if key not in f.c:
+        return None
+    scheme, block = scheme_of(key)
+    if block and block["weights"]["replica"] == "node" and gpn == 1:
+        return None  # one rank per node: the node replica is the full one
+    shape = TopologyShape(nodes, gpn)
+    rows = step_bytes(scheme, int(params), shape, parse_block(block) if block is not None else None)
+    node_bytes = node_link_bytes(rows, shape)
+    X = node_bytes * 8 / (node_gbps * 1e9) * 1e3
+    intra = sum(r["bytes"] for r in rows if r["level"] == "intra")
+    if intra_gbps:
+        X += intra * 8 / (intra_gbps * 1e9) * 1e3
+    return {"key": key, "nodes": nodes, "gpus_per_node": gpn, "node_gbps": node_gbps,
+            "inter_bytes_per_gpu": node_bytes / gpn, "intra_bytes_per_gpu": intra, "comm_ms": X / f.e,
+            "step_ms": float(step_ms(world1_ms, X, f.c[key], f.phi[key], f.e))}
+
+
+def break_even(f: Fit, key: str, base: str, params: float, nodes: int, gpn: int, world1_ms: float,
+               intra_gbps: Optional[float] = None, lo: float = 0.01, hi: float = 1e5) -> Tuple[str, Optional[float]]:
+    """The link rate (Gb/s per node) below which ``key`` is faster than ``base``: ("below", R), ("always", None)
+    (faster at every rate up to ``hi``), ("never", None) (slower down to ``lo``) or ("n/a", None)."""
+    def ratio(r):
+        a = cluster_step(f, base, params, nodes, gpn, r, world1_ms, intra_gbps)
+        b = cluster_step(f, key, params, nodes, gpn, r, world1_ms, intra_gbps)
+        return None if a is None or b is None else a["step_ms"] / b["step_ms"]
+    rl, rh = ratio(lo), ratio(hi)
+    if rl is None or rh is None:
+        return "n/a", None
+    if rh >= 1.0:
+        return "always", None
+    if rl < 1.0:
+        return "never", None
+    for _ in range(60):  # bisection on log rate: ratio(lo) >= 1 > ratio(hi)
+        mid = math.sqrt(lo * hi)
+        if ratio(mid) >= 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return "below", math.sqrt(lo * hi)
+
+
+def share_curve(f: Fit, key: str, C: float, nbytes: float, rates: Sequence[float]) -> List[float]:
+    """Model step times of one share-GPU setting (compute C, bytes per rank) over ``rates`` (Gb/s per rank)."""
+    return [float(step_ms(C, nbytes * 8 / (r * 1e9) * 1e3, f.c[key], f.phi[key], f.e)) for r in rates]
+
+
+def world1_estimate(params: float, rows: Sequence[dict]) -> Optional[Tuple[float, str]]:
+    """World-1 ZeRO-3 step time for ``params``: the measured model nearest in size, scaled by parameter count."""
+    cands = [r for r in rows if r.get("status") == "ok" and r.get("topology") == "1x1" and r.get("config") == "zero3"
+             and r.get("ms_per_step") and r.get("n_params")]
+    if not cands:
+        return None
+    r = min(cands, key=lambda r: abs(math.log(r["n_params"] / params)))
+    return r["ms_per_step"] * params / r["n_params"], (f"{r['ms_per_step']:.0f} ms of {r['model']} "
+                                                       f"({r['n_params'] / 1e6:.0f}M, {r.get('machine')}) x "
+                                                       f"{params / r['n_params']:.2f}")
+
+
+# ------------------------------------------------------------------------------------------- output
+
+def bytes_table(params, nodes, gpus_per_node, link_gbps, replica) -> List[str]:
+    """The bytes model alone (no compute, no overlap): inter-node bytes per GPU and transmission time."""
+    lines = [f"{'scheme':16} {'nodes':>5} {'GB/GPU/step':>12} {'comm ms':>9}"]
     for n in nodes:
-        world = n * gpus_per_node
         shape = TopologyShape(n, gpus_per_node)
-        for name in SCHEMES:
-            # crossing one node's link per step (deepspeed_sdp4bit/step_bytes.py: the project's bytes model)
-            node_bytes = node_link_bytes(step_bytes(name, int(params), shape, cfg), shape)
-            per_gpu = node_bytes / gpus_per_node
-            comm_s = node_bytes * 8 / (link_gbps * 1e9)
-            kern_s = KERNEL_BYTES_PER_PARAM[name] * params / world / (kernel_gbs * 1e9) if kernel_gbs else 0.0
-            rows.append({"scheme": name, "nodes": n, "gpus_per_node": gpus_per_node, "params": params,
-                         "inter_node_bytes_per_gpu": per_gpu, "comm_ms": comm_s * 1e3,
-                         "kernel_ms": kern_s * 1e3, "total_ms": (comm_s + kern_s) * 1e3})
-    return rows
+        for key in ("zero3", "zeropp", f"sdp4bit/{replica}"):
+            scheme, block = scheme_of(key)
+            if block and replica == "node" and gpus_per_node == 1:
+                continue
+            nb = node_link_bytes(step_bytes(scheme, int(params), shape,
+                                            parse_block(block) if block is not None else None), shape)
+            lines.append(f"{key:16} {n:5d} {nb / gpus_per_node / 1e9:12.3f} {nb * 8 / (link_gbps * 1e9) * 1e3:9.1f}")
+    return lines
+
+
+def fit_lines(res: dict) -> List[str]:
+    f: Fit = res["fit"]
+    lines = [f"fit ({res['split']} split; {sum(f.n_fit.values())} rows): link efficiency e = {f.e:.3f}"]
+    for k in sorted(f.c):
+        lines.append(f"  {k:16} compute factor c = {f.c[k]:.3f}   overlap phi = {f.phi[k]:.2f}   ({f.n_fit[k]} rows)")
+    if res["max_check_error"] is None:
+        lines.append("check: no rows left to check (all were used for the fit)")
+    else:
+        ok = "within" if res["max_check_error"] <= GOAL else "NOT within"
+        lines.append(f"check on {len(res['check_rows'])} other rows: largest error {100 * res['max_check_error']:.1f}% "
+                     f"({ok} the {100 * GOAL:.0f}% goal)")
+    for c in res["check_rows"]:
+        rel = "not fitted" if c["rel"] is None else f"{100 * c['rel']:+.1f}%"
+        lines.append(f"  {c['model']:5} {c['topology']:4} {c['key']:16} {c['gbps']:8.2f} Gb/s ({c['rate_source']}): "
+                     f"measured {c['ms']:8.0f} ms, model {c['pred'] or 0:8.0f} ms, {rel}")
+    return lines
 
 
 def main(argv=None):
@@ -64,18 +342,60 @@ def main(argv=None):
     ap.add_argument("--nodes", type=int, nargs="+", default=[2, 4, 8, 16])
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--link-gbps", type=float, default=100.0, help="inter-node bandwidth per node, Gb/s")
-    ap.add_argument("--kernel-gbs", type=float, default=0.0,
-                    help="measured quantize-kernel throughput in GB/s (0 = leave kernel time out)")
+    ap.add_argument("--intra-gbps", type=float, default=None, help="intra-node rate per GPU, Gb/s (default: free)")
+    ap.add_argument("--world1-ms", type=float, default=None,
+                    help="your model's step time on one GPU (default: the measured one scaled by parameters)")
+    ap.add_argument("--gpu-mem-gib", type=float, default=80.0,
+                    help="accelerator memory, for SDP4Bit's default replica choice (full if the bf16 copy fits "
+                         "a quarter of it)")
+    ap.add_argument("--dir", default=str(suite.ONE_GPU), help="folder with throughput.json and linkrate.json")
+    ap.add_argument("--split", default="alternate", help="alternate | model:NAME (see the module docstring)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    rows = project(args.params, args.nodes, args.gpus_per_node, args.link_gbps, args.kernel_gbs)
-    print(f"{'scheme':8} {'nodes':>5} {'GB/GPU/step':>12} {'comm ms':>9} {'kernel ms':>9} {'total ms':>9}")
-    for r in rows:
-        print(f"{r['scheme']:8} {r['nodes']:5d} {r['inter_node_bytes_per_gpu'] / 1e9:12.3f} "
-              f"{r['comm_ms']:9.1f} {r['kernel_ms']:9.2f} {r['total_ms']:9.1f}")
+    if args.link_gbps <= 0 or args.params < 1 or args.gpus_per_node < 1 or min(args.nodes) < 1:
+        raise SystemExit("projection: --link-gbps > 0, --params >= 1, --gpus-per-node >= 1 and --nodes >= 1")
+    from deepspeed_sdp4bit.integration import choose_replica
+    replica = choose_replica(args.gpus_per_node, int(args.params), 0.25, int(args.gpu_mem_gib * 2 ** 30))[0] or "node"
+    d = Path(args.dir)
+    rows, link_rows = suite.load_rows(d / "throughput.json"), suite.load_rows(d / "linkrate.json")
+    res = fit_and_check(rows, link_rows, args.split)
+    out: dict = {"args": vars(args), "replica": replica}
+    if res is None:
+        print(f"No step-time fit: no measured row in {d} has a link rate yet (run `python -m benchmarks "
+              f"linkrate` and `e2e --link-gbps ...` on a GPU machine). The bytes model alone "
+              f"(no compute, no overlap), {args.link_gbps:g} Gb/s per node:")
+        print("\n".join(bytes_table(args.params, args.nodes, args.gpus_per_node, args.link_gbps, replica)))
+    else:
+        f = res["fit"]
+        print("\n".join(fit_lines(res)))
+        w1 = (args.world1_ms, "given") if args.world1_ms else world1_estimate(args.params, rows)
+        if w1 is None:
+            raise SystemExit("projection: no measured world-1 step time to scale; pass --world1-ms")
+        sdp = f"sdp4bit/{replica}"
+        print(f"\nProjection for {args.params / 1e9:.2f}B parameters, {args.gpus_per_node} GPUs per node, "
+              f"{args.link_gbps:g} Gb/s per node; world-1 step {w1[0]:.0f} ms ({w1[1]}); SDP4Bit's default "
+              f"replica here: {replica}. A model fitted in share-GPU mode (several ranks' compute serialized on "
+              f"one GPU): its overlap need not carry over to one rank per GPU.")
+        print(f"{'nodes':>5} {'ZeRO-3 ms':>10} {'ZeRO++ ms':>10} {'SDP4Bit ms':>10} {'vs ZeRO-3':>9} {'vs ZeRO++':>9}"
+              f"  SDP4Bit pays (vs ZeRO-3; vs ZeRO++) below")
+        out["rows"] = []
+        for n in args.nodes:
+            z3, zp, s = (cluster_step(f, k, args.params, n, args.gpus_per_node, args.link_gbps, w1[0],
+                                      args.intra_gbps) for k in ("zero3", "zeropp", sdp))
+            be = [break_even(f, sdp, b, args.params, n, args.gpus_per_node, w1[0], args.intra_gbps)
+                  for b in ("zero3", "zeropp")]
+            fmt = lambda x: f"{x['step_ms']:10.0f}" if x else f"{'not fitted':>10}"  # noqa: E731
+            sp = lambda a: f"{a['step_ms'] / s['step_ms']:8.2f}x" if a and s else f"{'-':>9}"  # noqa: E731
+            bes = "; ".join(f"{R:.1f} Gb/s" if how == "below" else
+                            {"always": "at every rate", "never": "never", "n/a": "-"}[how] for how, R in be)
+            print(f"{n:5d} {fmt(z3)} {fmt(zp)} {fmt(s)} {sp(z3)} {sp(zp)}  {bes}")
+            out["rows"].append({"nodes": n, "zero3": z3, "zeropp": zp, "sdp4bit": s,
+                                "break_even_vs_zero3": be[0], "break_even_vs_zeropp": be[1]})
+        out["fit"] = f.as_dict()
+        out["check_rows"], out["max_check_error"] = res["check_rows"], res["max_check_error"]
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":

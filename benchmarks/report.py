@@ -2,15 +2,19 @@
 
 Nothing here is typed by hand: every number comes from the rows of ``throughput.json`` / ``accuracy.json``
 (and the per-step losses of ``accuracy_steps.json``) in ``--dir`` (default benchmarks/results/one_gpu).
-Writes there ``throughput.md``, ``throughput.png``, ``accuracy.md``, ``accuracy.png``, and rewrites the part
+Writes there ``throughput.md``, ``throughput.png``, ``accuracy.md``, ``accuracy.png``; when rows were measured under
+the bandwidth knob (``linkrate.json``, ``e2e --link-gbps``) also ``linkrate.md``, ``projection.md`` (the step-time
+model's fit and check, benchmarks/projection.py) and ``speedup_vs_rate.png``; and rewrites the part
 of README.md between ``<!-- suite:headline:begin -->`` and ``<!-- suite:headline:end -->`` (``--no-readme``:
-leave it).  Cells without a measurement say "not measured".
+leave it).  Cells without a measurement say "not measured".  The throughput table and the headline show rows
+without link settings (unshaped, NCCL's default sockets); the rate sweep has its own files.
 
 Speed-ups compare configs inside one run (same ``run_id``) where the run has the baseline; otherwise the
 newest baseline row of the same model, topology and machine is used and the cell is marked with ``*``.
 
 ``python -m benchmarks merge FILES...``: results files brought back from a GPU machine (``<run_id>.json``:
-copied to DIR/runs/ and their rows merged into DIR/throughput.json or DIR/accuracy.json; row lists are merged
+copied to DIR/runs/ and their rows merged into DIR/throughput.json, DIR/accuracy.json or DIR/linkrate.json; row
+lists are merged
 the same way; ``accuracy_steps.json`` files are merged into DIR/accuracy_steps.json).
 """
 
@@ -23,7 +27,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import suite
+from . import link, projection, suite
 
 README = suite.REPO / "README.md"
 BEGIN, END = "<!-- suite:headline:begin -->", "<!-- suite:headline:end -->"
@@ -58,9 +62,11 @@ def _key(r: dict) -> Tuple[str, str, str]:
 
 
 def latest(rows: Sequence[dict]) -> Dict[Tuple[str, str, str], dict]:
-    """The newest ok row per (model, topology, variant)."""
+    """The newest ok row per (model, topology, variant), of the rows without link settings."""
     out: Dict[Tuple[str, str, str], dict] = {}
     for r in _ok(rows):
+        if link.settings_of(r) != (None, None, None):
+            continue
         k = _key(r)
         if k not in out or r.get("created", "") > out[k].get("created", ""):
             out[k] = r
@@ -74,6 +80,7 @@ def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict]
     share-GPU mode) stands for every topology with the same number of ranks.
     """
     same = [b for b in _ok(rows) if b.get("config") == config and b.get("variant") == config
+            and link.settings_of(b) == link.settings_of(r)
             and b.get("model") == r.get("model") and (b.get("topology") == r.get("topology") or (
                 b.get("topology_independent") and b.get("ranks") == r.get("ranks")))]
     in_run = [b for b in same if b.get("run_id") == r.get("run_id")]
@@ -277,6 +284,118 @@ def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path
     return True
 
 
+# ------------------------------------------------------------------------------------------- link rate
+
+def linkrate_table(link_rows: Sequence[dict]) -> Optional[str]:
+    """What each setting of the bandwidth knob really gave (``linkrate`` rows); None without rows."""
+    ok = [r for r in link_rows if r.get("status") in ("ok", "failed", "timeout")]
+    if not ok:
+        return None
+    lines = _header("kind", "op", "ranks", "requested Gb/s", "NCCL threads x socks", "measured Gb/s per rank",
+                    "shim bytes (busiest process)", "status", "machine", "commit")
+    for r in sorted(ok, key=lambda r: (r.get("machine") or "", r.get("kind"), r.get("op"), r.get("ranks"),
+                                       r.get("nccl_socket_nthreads") or 0, r.get("link_gbps") or 1e9)):
+        shim = r.get("shim") or {}
+        lines.append("| " + " | ".join([
+            str(r.get("kind")), str(r.get("op")), str(r.get("ranks")), link.label(r.get("link_gbps")),
+            f"{r.get('nccl_socket_nthreads') or 'default'} x {r.get('nccl_nsocks_perthread') or 'default'}",
+            _fmt(r.get("measured_gbps"), ".2f"), _fmt(shim.get("bytes_max"), ",d"), str(r.get("status")),
+            str(r.get("machine")), str(r.get("commit"))]) + " |")
+    return ("\n".join(lines) + "\n\nmeasured: bytes each rank sends per call x 8 / the median time of a call "
+            "(tcp: one stream between two processes, first to last byte at the receiver); the knob limits each "
+            "process's TCP egress (benchmarks/link.py). shim bytes: the knob's own count, which must cover what "
+            "the collectives sent (else the row failed: the traffic bypassed the knob).\n")
+
+
+def projection_md(res: dict) -> str:
+    """The step-time model's fit and its check against every measured point (benchmarks/projection.py)."""
+    f = res["fit"]
+    lines = ["Generated by `python -m benchmarks report` (benchmarks/projection.py's model, fitted on the rows "
+             "of throughput.json that have a link rate; do not edit by hand).", "", "```"]
+    lines += projection.fit_lines(res) + ["```", ""]
+    lines += _header("model", "topology", "config", "rate Gb/s", "rate from", "measured ms", "model ms", "error",
+                     "used for")
+    for used, rs in (("fit", res["fit_rows"]), ("check", res["check_rows"])):
+        for c in sorted(rs, key=lambda c: (c["model"], c["topology"], c["key"], c["gbps"])):
+            lines.append(f"| {c['model']} | {c['topology']} | {c['key']} | {c['gbps']:.2f} | {c['rate_source']} | "
+                         f"{c['ms']:.0f} | {_fmt(c['pred'], '.0f')} | "
+                         f"{'-' if c['rel'] is None else format(100 * c['rel'], '+.1f') + '%'} | {used} |")
+    if res["skipped"]:
+        lines += ["", "Rows left out: " + "; ".join(res["skipped"]) + "."]
+    lines += ["", f"Parameters: link efficiency e = {f.e:.3f}; per config compute factor c and overlap phi as "
+              "above (step = c C + X/e - phi min(c C, X/e)).", ""]
+    return "\n".join(lines)
+
+
+def _pairs(rows: Sequence[dict], pts: Sequence[projection.Point], base: str):
+    """(sdp4bit point, its row, the baseline row) for every SDP4Bit point with a baseline of the same settings."""
+    by_id = {r.get("row_id"): r for r in rows}
+    for p in pts:
+        r = by_id.get(p.row_id)
+        if r is None or r.get("config") != "sdp4bit":
+            continue
+        b, _ = baseline(r, rows, base)
+        if b is not None:
+            yield p, r, b
+
+
+def rate_png(rows: Sequence[dict], res: dict, png: Path) -> bool:
+    """Speed-up of SDP4Bit vs ZeRO-3 and vs ZeRO++ against the link rate: measured points over the model's
+    curves, per model / topology / SDP4Bit variant; the paper's cluster rates (per GPU) marked."""
+    f, pts = res["fit"], res["points"]
+    series: Dict[Tuple[str, str, str], dict] = {}
+    for i, base in enumerate(("zero3", "zeropp")):
+        for p, r, b in _pairs(rows, pts, base):
+            s = series.setdefault((p.model, p.topology, r["variant"]), {"pts": ([], []), "curve": {}})
+            s["pts"][i].append((p.gbps, b["ms_per_step"] / r["ms_per_step"]))
+            s["curve"].setdefault(base, (p.key, p.C, p.bytes, projection.fit_key(b), b["wire_bytes_total"]))
+    if not series:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    allx = [x for s in series.values() for side in s["pts"] for x, _ in side]
+    lo, hi = min(allx) / 2, max(allx) * 2
+    for c in projection.PAPER_CLUSTERS:
+        lo, hi = min(lo, c["node_gbps"] / c["gpus_per_node"] / 2), max(hi, c["node_gbps"] / c["gpus_per_node"] * 2)
+    xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (ax, base) in enumerate(zip(axes, ("ZeRO-3", "ZeRO++"))):
+        for j, (name, s) in enumerate(sorted(series.items())):
+            col = colors[j % len(colors)]
+            pts_ = sorted(s["pts"][i])
+            if pts_:
+                ax.plot([x for x, _ in pts_], [y for _, y in pts_], "o", color=col, label=" ".join(name) + " measured")
+            cur = s["curve"].get(("zero3", "zeropp")[i])
+            if cur and cur[0] in f.c and cur[3] in f.c:
+                key, C, nb, bkey, bb = cur
+                sdp, bas = projection.share_curve(f, key, C, nb, xs), projection.share_curve(f, bkey, C, bb, xs)
+                ax.plot(xs, [a / b for a, b in zip(bas, sdp)], "-", color=col, linewidth=1.2, alpha=0.8,
+                        label=" ".join(name) + " model")
+        for c in projection.PAPER_CLUSTERS:
+            x = c["node_gbps"] / c["gpus_per_node"]
+            ax.axvline(x, color="0.4", linestyle="--", linewidth=0.9)
+            ax.text(x, 0.98, f" {c['label']}\n {x:g} Gb/s per GPU", transform=ax.get_xaxis_transform(),
+                    fontsize=7, va="top")
+        ax.axhline(1.0, color="k", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("link rate per rank, Gb/s (measured by linkrate for the knob's setting)")
+        ax.set_ylabel(f"SDP4Bit speed-up vs {base} (step time ratio)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    machines = sorted({str(r.get("machine")) for r in rows if r.get("link_gbps")})
+    fig.suptitle(f"{', '.join(machines)}; share-GPU mode (each rank its own host, all levels over its shaped TCP "
+                 f"link); model: benchmarks/projection.py, max check error "
+                 f"{_fmt(None if res['max_check_error'] is None else 100 * res['max_check_error'], '.0f')}%",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return True
+
+
 # ------------------------------------------------------------------------------------------- headline
 
 def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
@@ -342,6 +461,20 @@ def run(args) -> int:
             written.append("throughput.png")
         if accuracy_png(acc, losses, d / "accuracy.png", args.smooth):
             written.append("accuracy.png")
+    link_rows = suite.load_rows(d / "linkrate.json")
+    lt = linkrate_table(link_rows)
+    if lt:
+        (d / "linkrate.md").write_text(lt)
+        written.append("linkrate.md")
+    res = projection.fit_and_check(tp, link_rows)
+    if res is None:
+        print("report: no throughput row has a link rate yet (e2e --link-gbps, linkrate): projection.md and "
+              "speedup_vs_rate.png not produced")
+    else:
+        (d / "projection.md").write_text(projection_md(res))
+        written.append("projection.md")
+        if not args.no_png and rate_png(tp, res, d / "speedup_vs_rate.png"):
+            written.append("speedup_vs_rate.png")
     if not args.no_readme:
         README.write_text(replace_between(README.read_text(), headline(tp, acc)))
         written.append(str(README))
@@ -364,14 +497,15 @@ def run_merge(args) -> int:
             rows = doc["rows"]
         elif isinstance(doc, list):
             rows = doc
-            q = "accuracy" if rows and str(rows[0].get("run_id", "")).startswith("accuracy") else "e2e"
+            first = str(rows[0].get("run_id", "")) if rows else ""
+            q = next((k for k in ("accuracy", "linkrate") if first.startswith(k)), "e2e")
         elif isinstance(doc, dict):
             suite.merge_dict(d / "accuracy_steps.json", doc)
             print(f"merge: {f}: {len(doc)} loss curves -> accuracy_steps.json")
             continue
         else:
             raise SystemExit(f"merge: {f} is neither a results file, a row list nor a loss-curve file")
-        targets = {"e2e": "throughput.json", "accuracy": "accuracy.json"}
+        targets = {"e2e": "throughput.json", "accuracy": "accuracy.json", "linkrate": "linkrate.json"}
         if q not in targets:
             print(f"merge: {f}: a {q} results file, kept in {d / 'runs'}")
             continue

@@ -1,0 +1,222 @@
+"""The bandwidth knob (benchmarks/link_shim.c via benchmarks/link.py) and the step-time model fitted on its rows
+(benchmarks/projection.py).  Correctness only: no test asserts a rate or a time."""
+
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks import link, projection, report  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _shim_cache(tmp_path_factory, monkeypatch):
+    # one build per test session, outside the user's cache
+    monkeypatch.setenv("SDP4BIT_LINK_CACHE", str(tmp_path_factory.getbasetemp() / "link_cache"))
+
+
+def _child(env_extra, code="pass"):
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_shim_builds_loads_and_passes_bytes_intact(tmp_path):
+    stats = tmp_path / "stats"
+    env = link.knob_env(2.0, stats)
+    assert Path(env["LD_PRELOAD"]).is_file() and env[link.GBPS_VAR] == "2.0"
+    nbytes = 3 * (1 << 20) + 12345  # not a multiple of the burst or the pattern block
+    # send(all), write, writev and sendmsg in turn, all through the shim, checked by sha256 end to end
+    r = link.tcp_transfer(env, nbytes, seed=7, verify=True, methods="swvm")
+    assert r["intact"] and r["bytes"] == nbytes
+    assert r["sender"]["shim_loaded"] and r["sender"]["shim_gbps"] == 2.0
+    [st] = link.read_stats(stats)  # the shim's own count: every byte of the stream, nothing else
+    assert st["bytes"] == nbytes and st["gbps"] == 2.0 and st["calls"] >= 4
+
+
+THREADS_CHILD = """
+import hashlib, os, socket, threading
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(8)
+port, N, K = srv.getsockname()[1], 1 << 20, 4
+got = {}
+def recv_one():
+    c, _ = srv.accept(); h, n = hashlib.sha256(), 0
+    while True:
+        b = c.recv(1 << 16)
+        if not b: break
+        h.update(b); n += len(b)
+    got[h.hexdigest()] = n
+def send_one(i):
+    s = socket.create_connection(("127.0.0.1", port)); s.sendall(bytes([i]) * N); s.close()
+ts = [threading.Thread(target=recv_one) for _ in range(K)] + [threading.Thread(target=send_one, args=(i,))
+                                                               for i in range(K)]
+[t.start() for t in ts]; [t.join() for t in ts]
+want = {hashlib.sha256(bytes([i]) * N).hexdigest(): N for i in range(K)}
+print("intact" if got == want else f"broken {got}")
+"""
+
+
+def test_threads_share_the_bucket_and_data_stays_intact(tmp_path):
+    """Four threads of one process send at once through the shim: every stream arrives byte-exact and the
+    shim's (atomic) count is their sum."""
+    p = _child(link.knob_env(8.0, tmp_path / "st"), THREADS_CHILD)
+    assert p.returncode == 0 and p.stdout.strip() == "intact", p.stdout + p.stderr
+    [st] = link.read_stats(tmp_path / "st")
+    assert st["bytes"] == 4 << 20
+
+
+def test_unset_means_no_shim(tmp_path):
+    assert link.knob_env(None) == {}
+    assert link.knob_env(None, threads=4, nsocks=2) == {"NCCL_SOCKET_NTHREADS": "4", "NCCL_NSOCKS_PERTHREAD": "2"}
+    r = link.tcp_transfer(link.knob_env(None), 1 << 20, verify=True)
+    assert r["intact"] and not r["sender"]["shim_loaded"] and r["sender"]["shim_gbps"] is None
+    # preloaded but SDP4BIT_LINK_GBPS unset: loaded, inactive, writes no stats
+    env = link.knob_env(1.0, tmp_path / "s")
+    env.pop(link.GBPS_VAR)
+    r = link.tcp_transfer(env, 1 << 20, verify=True, methods="sw")
+    assert r["intact"] and r["sender"]["shim_loaded"] and r["sender"]["shim_gbps"] == 0.0
+    assert link.read_stats(tmp_path / "s") == []
+
+
+@pytest.mark.parametrize("var,value", [("SDP4BIT_LINK_GBPS", "fast"), ("SDP4BIT_LINK_GBPS", "-3"),
+                                       ("SDP4BIT_LINK_GBPS", "0"), ("SDP4BIT_LINK_GBPS", "inf"),
+                                       ("SDP4BIT_LINK_BURST_KB", "1e"), ("SDP4BIT_LINK_STATS_DIR", "/no/such")])
+def test_bad_values_name_the_variable(var, value):
+    env = link.knob_env(1.0)
+    env[var] = value
+    p = _child(env)
+    assert p.returncode == 2 and var in p.stderr and value in p.stderr, p.stderr
+
+
+def test_bad_values_on_the_command_line(tmp_path):
+    for bad in ("fast", "-1", "0", "nan"):
+        with pytest.raises(ValueError, match="--link-gbps"):
+            link.parse_gbps(bad)
+    assert link.parse_gbps("off") is None and link.parse_gbps("12.5") == 12.5
+    assert link.parse_sockets("default") == (None, None) and link.parse_sockets("4x4") == (4, 4)
+    with pytest.raises(ValueError, match="NCCL_SOCKET_NTHREADS"):
+        link.parse_sockets("17x1")
+    with pytest.raises(ValueError, match="<= 64"):
+        link.parse_sockets("16x8")
+    with pytest.raises(ValueError, match="THREADSxSOCKETS"):
+        link.parse_sockets("4")
+    from benchmarks.__main__ import main
+    with pytest.raises(SystemExit, match="--link-gbps"):
+        main(["e2e", "--cpu", "--link-gbps", "fast", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="NCCL_SOCKET_NTHREADS"):
+        main(["e2e", "--cpu", "--link-gbps", "5", "--nccl-sockets", "0x1", "--out", str(tmp_path)])
+
+
+def test_linkrate_collectives_go_through_the_knob(tmp_path):
+    """gloo ranks (CPU) under the knob: the collectives' results are checked element by element and the shim's
+    own byte count covers what they sent (a transport that bypassed the knob would fail the row)."""
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               DS_ACCELERATOR="cpu", TMPDIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-m", "benchmarks", "linkrate", "--cpu", "--collective", "--gbps", "4",
+                        "--mb", "1", "--seconds", "0.05", "--ranks", "2", "--out", str(out)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {(r["kind"], r["op"]): r for r in json.loads((out / "linkrate.json").read_text())}
+    assert set(rows) == {("tcp", "stream"), ("gloo", "all_gather"), ("gloo", "all_to_all")}
+    for r in rows.values():
+        assert r["status"] == "ok" and r["link_gbps"] == 4.0 and r["measured_gbps"] > 0
+        assert r["shim"]["gbps"] == 4.0
+    for op in ("all_gather", "all_to_all"):
+        assert rows[("gloo", op)]["intact"] and rows[("gloo", op)]["shim_saw_traffic"]
+    meta = json.loads(next(out.glob("linkrate_*Z_*[0-9].json")).read_text())["meta"]
+    assert meta["args"]["gbps"] == ["4"] and meta["versions"]["torch"]
+
+
+# ------------------------------------------------------------------------------------------- the model
+
+TRUE_E = 0.55
+TRUE = {"zero3": (1.05, 0.3), "zeropp": (1.3, 0.6), "sdp4bit/full": (0.7, 0.85)}  # c, phi
+BYTES = {"zero3": 1.6e9, "zeropp": 0.67e9, "sdp4bit/full": 0.275e9}
+RATES = (2.0, 5.0, 10.0, 25.0, 50.0)
+
+
+def _synthetic_rows():
+    """Throughput rows made from known parameters (synthetic test input, machine "synthetic")."""
+    rows, link_rows = [], []
+    for model, C in (("406M", 1184.0), ("1.3B", 1875.0)):
+        scale = 3.7 if model == "1.3B" else 1.0
+        for key, (c, phi) in TRUE.items():
+            cfg, _, rep = key.partition("/")
+            for g in RATES:
+                measured = g * 0.9  # what linkrate "measured" for the setting
+                X = BYTES[key] * scale * 8 / (measured * 1e9) * 1e3
+                ms = float(projection.step_ms(C, X, c, phi, TRUE_E))
+                rows.append({"row_id": f"syn/{model}_4x1_{key}_{g}", "run_id": f"syn_{g}", "status": "ok",
+                             "config": cfg, "variant": cfg, "replica": rep or None, "model": model,
+                             "topology": "4x1", "ranks": 4, "ms_per_step": ms, "bound_ms": C,
+                             "wire_bytes_total": BYTES[key] * scale, "link_gbps": g, "machine": "synthetic"})
+    for g in RATES:
+        link_rows.append({"row_id": f"syn/link_{g}", "status": "ok", "kind": "nccl", "op": "all_gather",
+                          "ranks": 4, "link_gbps": g, "measured_gbps": g * 0.9, "machine": "synthetic"})
+    return rows, link_rows
+
+
+def test_fit_recovers_known_parameters():
+    rows, link_rows = _synthetic_rows()
+    res = projection.fit_and_check(rows, link_rows, "alternate")
+    f = res["fit"]
+    assert abs(f.e / TRUE_E - 1) < 0.01
+    for k, (c, phi) in TRUE.items():
+        assert abs(f.c[k] / c - 1) < 0.01 and abs(f.phi[k] - phi) < 0.01, (k, f.c[k], f.phi[k])
+    assert res["max_check_error"] < 1e-3 and len(res["check_rows"]) == 2 * 3 * 2
+    assert all(p.rate_source == "measured" and p.gbps == p.link_gbps * 0.9 for p in res["points"])
+    # fitted on 406M only, checked on 1.3B: the model carries over to the other size
+    res = projection.fit_and_check(rows, link_rows, "model:1.3B")
+    assert {c["model"] for c in res["check_rows"]} == {"1.3B"} and res["max_check_error"] < 1e-3
+    # a wrong model is caught by the check: the same rows with 1.3B's step times 30% longer
+    bad = [dict(r, ms_per_step=r["ms_per_step"] * (1.3 if r["model"] == "1.3B" else 1.0)) for r in rows]
+    assert projection.fit_and_check(bad, link_rows, "model:1.3B")["max_check_error"] > 0.2
+
+
+def test_break_even_and_projection():
+    f = projection.Fit(TRUE_E, {k: c for k, (c, _) in TRUE.items()}, {k: p for k, (_, p) in TRUE.items()})
+    f.c["sdp4bit/full"] = 1.2  # more compute than ZeRO-3 (1.05): pays only where the link is slow
+    how, R = projection.break_even(f, "sdp4bit/full", "zero3", 1.3e9, 4, 8, 500.0)
+    assert how == "below" and R > 0
+    # at the break-even rate the two step times agree; below it SDP4Bit is faster, above it slower
+    a, b = (projection.cluster_step(f, k, 1.3e9, 4, 8, R, 500.0)["step_ms"] for k in ("zero3", "sdp4bit/full"))
+    assert a == pytest.approx(b, rel=1e-6)
+    lo, hi = ([projection.cluster_step(f, k, 1.3e9, 4, 8, r, 500.0)["step_ms"] for k in ("zero3", "sdp4bit/full")]
+              for r in (R / 2, R * 2))
+    assert lo[0] > lo[1] and hi[0] < hi[1]
+    # no compute penalty: faster at every rate
+    f.c["sdp4bit/full"] = 0.9 * f.c["zero3"]
+    assert projection.break_even(f, "sdp4bit/full", "zero3", 1.3e9, 4, 8, 500.0)[0] == "always"
+    assert projection.cluster_step(f, "sdp4bit/node", 1.3e9, 4, 1, 100.0, 500.0) is None
+
+
+def test_report_with_and_without_rate_rows(tmp_path, capsys):
+    d = tmp_path / "res"
+    d.mkdir()
+    unshaped = [{"row_id": "r/1", "run_id": "r", "status": "ok", "config": "zero3", "variant": "zero3",
+                 "model": "406M", "topology": "4x1", "ranks": 4, "ms_per_step": 4000.0, "ms_min": 3900.0,
+                 "ms_max": 4100.0, "bound_ms": 1184.0, "wire_bytes_total": 1.6e9, "machine": "synthetic"}]
+    (d / "throughput.json").write_text(json.dumps(unshaped))
+    args = Namespace(dir=str(d), no_readme=True, no_png=True, smooth=5)
+    report.run(args)
+    assert "no throughput row has a link rate yet" in capsys.readouterr().out
+    assert not (d / "projection.md").exists() and not (d / "speedup_vs_rate.png").exists()
+    rows, link_rows = _synthetic_rows()
+    (d / "throughput.json").write_text(json.dumps(unshaped + rows))
+    (d / "linkrate.json").write_text(json.dumps(link_rows))
+    report.run(args)
+    md = (d / "projection.md").read_text()
+    assert "largest error" in md and md.count("| check |") == 12 and "sdp4bit/full" in md
+    assert "synthetic" in (d / "linkrate.md").read_text()
+    # the unshaped table is not mixed with the sweep
+    assert (d / "throughput.md").read_text().count("| 406M |") == 1
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e .[plot])")
+    res = projection.fit_and_check(rows, link_rows)
+    assert report.rate_png(rows, res, d / "speedup_vs_rate.png") and (d / "speedup_vs_rate.png").stat().st_size > 0
