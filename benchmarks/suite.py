@@ -348,6 +348,16 @@ def pack_logs(work: Path, archive: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def finished_training(row: dict) -> bool:
+    """An accuracy row whose training ran to its last step and final evaluation: ``status`` ok, or a run
+    killed by its timeout only after both (steps_done == steps and a held-out loss recorded: what remained
+    was the ranks' teardown).  Its losses are complete; the report counts it, marked."""
+    if row.get("status") == "ok":
+        return True
+    return (row.get("status") == "timeout" and row.get("steps") is not None
+            and row.get("steps_done") == row.get("steps") and row.get("heldout_loss") is not None)
+
+
 def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)

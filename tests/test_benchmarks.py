@@ -146,3 +146,35 @@ def test_refresh_layout_is_deepspeeds():
             # rank 0 = node 0, local 0: its hpZ secondary tensors hold the partitions of sources 0 and 1
             assert sorted(dst) == [0, 1]
             assert sum(n for _, n, _ in views) == 2 * M and len(views) == 2 * 292
+
+
+def _acc_row(variant, topology, seed, loss, heldout, status="ok", steps_done=500, row_id=None):
+    return {"row_id": row_id or f"r/{variant}_{topology}_{seed}_{status}", "config": variant.split(":")[0],
+            "variant": variant, "topology": topology, "ranks": 4, "schedule": "cosine", "steps": 500,
+            "model": "86M", "seed": seed, "train_loss": loss, "heldout_loss": heldout, "status": status,
+            "steps_done": steps_done, "machine": "m", "commit": "c"}
+
+
+def test_accuracy_table_pairs_seeds_and_counts_runs_finished_before_their_timeout():
+    rows = [_acc_row("zero3:replay", "4r", 1, 2.0, 2.2), _acc_row("zero3:replay", "4r", 2, 1.8, 2.0),
+            _acc_row("sdp4bit", "2x2", 1, 2.02, 2.2),
+            # killed in its teardown after the last step and the final evaluation: counted, marked
+            _acc_row("sdp4bit", "2x2", 2, 1.8, 2.02, status="timeout"),
+            # stopped before its last step: not counted
+            _acc_row("sdp4bit", "4x1", 1, 9.0, None, status="timeout", steps_done=300)]
+    assert suite.finished_training(rows[3]) and not suite.finished_training(rows[4])
+    table = report.accuracy_table(rows, {})
+    line = next(ln for ln in table.splitlines() if "| sdp4bit | 2x2 |" in ln)
+    assert "| 1,2* |" in line
+    assert "+0.50% (s1: +1.00%, s2: +0.00%)" in line          # same seed: +1% and 0%
+    assert "+0.50% (s1: +0.00%, s2: +1.00%)" in line          # held-out, same seed
+    assert "4x1" not in table and "9.0000" not in table
+
+
+def test_replay_check_reports_per_step_agreement():
+    real = _acc_row("zero3", "2x2", 1, 3.0, None, status="timeout", steps_done=3, row_id="a/real")
+    rep = _acc_row("zero3:replay", "4r", 1, 3.0, 2.9, row_id="b/rep")
+    text = report.replay_check([real, rep], {"a/real": [5.0, 4.0, 3.3], "b/rep": [5.0, 4.002, 3.0, 2.9]})
+    assert "3 common steps" in text and "largest per-step difference 10.00%" in text
+    assert "within 0.1% up to step 2 (step 3: 10.00%)" in text
+    assert report.replay_check([rep], {"b/rep": [1.0]}) == ""
