@@ -2,8 +2,10 @@
 
 The knob
 --------
-The GPU hosts have no ``tc`` (iproute2 is not installed) and the container may not be allowed to shape the
-loopback device, so the suite limits each process's TCP egress itself: ``benchmarks/link_shim.c``, loaded with
+The GPU hosts have no ``tc`` (iproute2 is not installed); their container does hold CAP_NET_ADMIN (``CapEff``
+000001fffeffffff on an H200 host, 2026-11-25), so a qdisc on ``lo`` set over netlink might work there, but it was
+not tried and would shape every rank's traffic on the host together.  The suite limits each process's TCP egress
+itself: ``benchmarks/link_shim.c``, loaded with
 ``LD_PRELOAD``, paces send / sendto / sendmsg / write / writev on AF_INET / AF_INET6 stream sockets through a
 token bucket shared by all threads of the process (NCCL's socket transport sends from several threads).  It
 needs no privileges; it is compiled on first use with the system C compiler (``$CC``, else ``cc``, else
