@@ -18,42 +18,10 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from . import reference as R
+from .backend import BACKEND_NAMES, OP_NAMES, Backend  # noqa: F401 - re-exported (the dispatch's names)
+from .kernels import _common
 
 logger = logging.getLogger("deepspeed_sdp4bit")
-
-OP_NAMES = (
-    "hadamard_quantize",             # op 1
-    "dequant_sum_requant",           # op 2
-    "dequant_sum_inverse_hadamard",  # op 3
-    "weight_delta_quantize",         # op 4
-    "dequant_add_",                  # op 5
-    "dequant_add_segments_",         # op 6
-)
-BACKEND_NAMES = ("auto", "cuda", "triton", "torch")
-
-
-class Backend:
-    """A named set of the ops (``OP_NAMES``) and a probe saying whether it can run on a device."""
-
-    def __init__(self, name: str, ops: Dict[str, Callable], probe: Callable[[torch.device], Tuple[bool, str]]):
-        missing = [n for n in OP_NAMES if n not in ops]
-        if missing:
-            raise ValueError(f"backend {name!r} lacks ops {missing}")
-        self.name = name
-        self._ops = dict(ops)
-        self._probe = probe
-        for n, f in ops.items():
-            setattr(self, n, f)
-
-    def available(self, device: torch.device) -> Tuple[bool, str]:
-        try:
-            return self._probe(torch.device(device))
-        except Exception as e:  # noqa: BLE001 - the reason is reported to the user
-            return False, f"{type(e).__name__}: {e}"
-
-    def __repr__(self):
-        return f"Backend({self.name!r})"
-
 
 def _copy_out(t: torch.Tensor, out: Optional[torch.Tensor], what: str) -> torch.Tensor:
     if out is None:
@@ -67,8 +35,7 @@ def _copy_out(t: torch.Tensor, out: Optional[torch.Tensor], what: str) -> torch.
 # ----- torch backend: the reference ops, with out buffers and device placement -----
 def _checks():
     """The argument checks the kernel backends share (``kernels/_common.py``), so that the torch backend rejects
-    the same inputs with the same messages.  Imported on use: ``_common`` imports this module."""
-    from .kernels import _common
+    the same inputs with the same messages (``_common`` imports neither Triton nor the CUDA extension)."""
     return _common
 
 

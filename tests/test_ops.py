@@ -179,3 +179,18 @@ def test_named_backend_that_cannot_run_is_an_error(registry):
         ops.get_backend("triton", torch.device("cuda"))
     with pytest.raises(ValueError, match="must be one of"):
         ops.get_backend("fastest", "cpu")
+
+
+def test_kernels_do_not_import_the_dispatch():
+    """ops -> kernels is one-way: the backends take their shared types from the leaf module ``backend``."""
+    import ast
+    import pathlib
+
+    pkg = pathlib.Path(ops.__file__).parent
+    for f in sorted((pkg / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                names = [a.name for a in node.names]
+                assert not (node.level == 2 and node.module is None and "ops" in names), f
+                assert not (node.level == 2 and node.module == "ops"), f
+    assert ops.Backend is __import__("deepspeed_sdp4bit.backend", fromlist=["Backend"]).Backend

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 
 import torch
 
-from .. import ops as _ops
+from .. import backend as _backend
 from .. import reference as R
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -297,14 +297,14 @@ def dequant_add_segments_plan(dst: torch.Tensor, payload: torch.Tensor, scales: 
     return diff
 
 
-def backend_from(name: str, source: Any, probe: Callable[[torch.device], Tuple[bool, str]]) -> "_ops.Backend":
-    """``ops.Backend(name, ...)`` with the ops named in ``ops.OP_NAMES`` taken from ``source``.
+def backend_from(name: str, source: Any, probe: Callable[[torch.device], Tuple[bool, str]]) -> "_backend.Backend":
+    """``backend.Backend(name, ...)`` with the ops named in ``backend.OP_NAMES`` taken from ``source``.
 
     ``source`` is a module (its attributes) or a mapping such as ``globals()``; an op it lacks makes
-    ``ops.Backend`` raise ``ValueError`` naming the missing ops.  ``probe(device) -> (ok, reason)``.
+    ``backend.Backend`` raise ``ValueError`` naming the missing ops.  ``probe(device) -> (ok, reason)``.
     """
     if isinstance(source, Mapping):
-        found = {op: source[op] for op in _ops.OP_NAMES if op in source}
+        found = {op: source[op] for op in _backend.OP_NAMES if op in source}
     else:
-        found = {op: getattr(source, op) for op in _ops.OP_NAMES if hasattr(source, op)}
-    return _ops.Backend(name, found, probe=probe)
+        found = {op: getattr(source, op) for op in _backend.OP_NAMES if hasattr(source, op)}
+    return _backend.Backend(name, found, probe=probe)

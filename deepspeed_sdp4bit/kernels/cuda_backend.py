@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import ops as _ops
+from .. import backend as _backend
 from ..segments import GPU_TILE
 from ._common import (backend_from, buffer, dequant_add_plan, dequant_add_segments_plan, inverse_plan,
                       quantize_plan, requant_plan, weight_delta_plan)
@@ -215,6 +215,6 @@ def _probe(device: torch.device) -> Tuple[bool, str]:
     return True, f"sdp4bit_quant CUDA extension on sm_{major}{minor}"
 
 
-def make_backend() -> "_ops.Backend":
+def make_backend() -> "_backend.Backend":
     """The ``cuda`` backend: the six ops above and a probe (CUDA device, CUDA torch, extension builds)."""
     return backend_from("cuda", globals(), _probe)

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import ops as _ops
+from .. import backend as _backend
 from .. import reference as R
 from ._common import (backend_from, buffer, dequant_add_plan, dequant_add_segments_plan, inverse_plan,
                       quantize_plan, requant_plan, weight_delta_plan)
@@ -1481,6 +1481,6 @@ def _probe(device: torch.device) -> Tuple[bool, str]:
     return False, f"triton backend supports cuda devices (and cpu under TRITON_INTERPRET=1), not {device.type}"
 
 
-def make_backend() -> "_ops.Backend":
+def make_backend() -> "_backend.Backend":
     """The ``triton`` backend: the six ops above and a probe (CUDA; CPU only under TRITON_INTERPRET=1)."""
     return backend_from("triton", globals(), _probe)
