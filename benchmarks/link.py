@@ -111,16 +111,24 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SDP4BIT_LINK_CACHE") or Path.home() / ".cache" / "sdp4bit_link")
 
 
+def compiler() -> Optional[str]:
+    """The C compiler the shim is built with: ``$CC`` (a name on PATH or a path), else ``cc``, else ``gcc``;
+    None when there is none (or ``$CC`` names nothing that exists)."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 def build_shim() -> Path:
     """The compiled shim (built on first use; the name carries a hash of the source, so an edit rebuilds)."""
     src = SHIM_SRC.read_bytes()
     out = cache_dir() / f"link_shim_{hashlib.sha256(src).hexdigest()[:16]}.so"
     if out.is_file():
         return out
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if not cc:
         raise RuntimeError("the link knob needs a C compiler to build benchmarks/link_shim.c: set CC or install "
-                           "cc/gcc")
+                           f"cc/gcc (CC={os.environ.get('CC')!r})")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".link_shim.", suffix=".so")
     os.close(fd)
@@ -148,6 +156,8 @@ def knob_env(gbps: Optional[float], stats_dir: Optional[Path] = None, threads: O
     if gbps is None:
         return env
     gbps = parse_gbps(gbps)
+    if burst_kb is not None and not 1.0 <= float(burst_kb) <= 1048576.0:
+        raise ValueError(f"{BURST_VAR} (burst_kb) must be 1 .. 1048576 KiB, got {burst_kb!r}")
     pre = os.environ.get("LD_PRELOAD", "")
     env["LD_PRELOAD"] = str(build_shim()) + (" " + pre if pre else "")
     env[GBPS_VAR] = repr(float(gbps))

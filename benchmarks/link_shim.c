@@ -122,7 +122,10 @@ __attribute__((constructor)) static void shim_init(void) {
     if (burst < 65536.0) burst = 65536.0;
     const char *b = getenv("SDP4BIT_LINK_BURST_KB");
     if (b && *b) {
-        burst = parse_positive("SDP4BIT_LINK_BURST_KB", b, 0) * 1024.0;
+        double kb = parse_positive("SDP4BIT_LINK_BURST_KB", b, 0);
+        /* a burst under 1 KiB would pace 0-byte chunks (no progress); over 1 GiB it is no limit */
+        if (kb < 1.0 || kb > 1048576.0) die("SDP4BIT_LINK_BURST_KB", b, "expected 1 .. 1048576 (KiB)");
+        burst = kb * 1024.0;
         burst_given = 1;
     }
     const char *d = getenv("SDP4BIT_LINK_STATS_DIR");

@@ -110,6 +110,8 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point]
         if not gbps:
             m = link.measured_rate(r, link_rows)
             gbps = m["measured_gbps"] if m else None
+            if m and m.get("ranks") != r.get("ranks"):
+                src = f"measured ({m.get('ranks')} ranks)"   # no linkrate row at this rank count
         if not gbps and r.get("link_gbps"):
             gbps, src = r["link_gbps"], "requested"
         if not gbps:
@@ -155,6 +157,7 @@ class Fit:
     phi: Dict[str, float]
     n_fit: Dict[str, int] = field(default_factory=dict)
     loss: float = 0.0
+    at_bound: List[str] = field(default_factory=list)   # parameters that ended on an edge of their search range
 
     def predict(self, p: Point) -> Optional[float]:
         if p.key not in self.c:
@@ -209,7 +212,13 @@ def fit(pts: Sequence[Point], e_range=(0.05, 2.0), c_range=(0.2, 4.0)) -> Fit:
                      np.linspace(max(0.0, phs[k] - 2 * dph), min(1.0, phs[k] + 2 * dph), 17)) for k in arrays}
         tot, e, cs, phs = search(es, grids)
         de, dc, dph = de / 2, dc / 2, dph / 2
-    return Fit(e, cs, phs, {k: len(v) for k, v in by.items()}, tot)
+    edge = []   # a parameter on its range's edge: the optimum lies outside, the model does not explain the rows
+    if min(abs(e - e_range[0]), abs(e - e_range[1])) < 1e-6 * e_range[1]:
+        edge.append(f"e = {e:.3f}")
+    for k, c in cs.items():
+        if min(abs(c - c_range[0]), abs(c - c_range[1])) < 1e-6 * c_range[1]:
+            edge.append(f"{k}: c = {c:.3f}")
+    return Fit(e, cs, phs, {k: len(v) for k, v in by.items()}, tot, edge)
 
 
 def check(f: Fit, pts: Sequence[Point]) -> List[dict]:
@@ -322,6 +331,13 @@ def bytes_table(params, nodes, gpus_per_node, link_gbps, replica) -> List[str]:
     return lines
 
 
+def validated(res: dict) -> bool:
+    """The fit may be used for projections: every measured point within the goal, no parameter on its range's
+    edge, and at least one checked row."""
+    return (res.get("max_error") is not None and res["max_error"] <= GOAL and res.get("max_check_error") is not None
+            and not res["fit"].at_bound)
+
+
 def fit_lines(res: dict) -> List[str]:
     f: Fit = res["fit"]
     lines = [f"fit ({res['split']} split; {sum(f.n_fit.values())} rows): link efficiency e = {f.e:.3f}"]
@@ -333,10 +349,20 @@ def fit_lines(res: dict) -> List[str]:
         ok = "within" if res["max_check_error"] <= GOAL else "NOT within"
         lines.append(f"check on {len(res['check_rows'])} other rows: largest error {100 * res['max_check_error']:.1f}% "
                      f"({ok} the {100 * GOAL:.0f}% goal)")
+    if res["check_rows"]:
+        checked = sorted({c["key"] for c in res["check_rows"]})
+        unchecked = sorted(set(f.c) - set(checked))
+        lines.append(f"  (checked rows exist for {', '.join(checked)} only"
+                     + (f"; {', '.join(unchecked)}: fitted rows only)" if unchecked else ")"))
     if res.get("max_error") is not None:
         ok = "within" if res["max_error"] <= GOAL else "NOT within"
         lines.append(f"every measured point (fitted and checked): largest error {100 * res['max_error']:.1f}% "
                      f"({ok} the {100 * GOAL:.0f}% goal)")
+    if f.at_bound:
+        lines.append(f"at the edge of the search range (the best fit lies outside it: the model does not describe "
+                     f"these rows): {'; '.join(f.at_bound)}")
+    if not validated(res):
+        lines.append("NOT VALIDATED: projections from this fit are not to be trusted (see above)")
     for c in res["check_rows"]:
         rel = "not fitted" if c["rel"] is None else f"{100 * c['rel']:+.1f}%"
         lines.append(f"  {c['model']:5} {c['topology']:4} {c['key']:16} {c['gbps']:8.2f} Gb/s ({c['rate_source']}): "
@@ -359,6 +385,8 @@ def main(argv=None):
     ap.add_argument("--dir", default=str(suite.ONE_GPU), help="folder with throughput.json and linkrate.json")
     ap.add_argument("--split", default="alternate", help="alternate | model:NAME (see the module docstring)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--force", action="store_true", help="print the projection even when the fit is not validated "
+                    "(a measured point off by more than 20%%, or a parameter on its range's edge)")
     args = ap.parse_args(argv)
     if args.link_gbps <= 0 or args.params < 1 or args.gpus_per_node < 1 or min(args.nodes) < 1:
         raise SystemExit("projection: --link-gbps > 0, --params >= 1, --gpus-per-node >= 1 and --nodes >= 1")
@@ -376,6 +404,20 @@ def main(argv=None):
     else:
         f = res["fit"]
         print("\n".join(fit_lines(res)))
+        out["validated"] = validated(res)
+        out["fit"] = f.as_dict()
+        out["check_rows"], out["max_check_error"], out["max_error"] = (res["check_rows"], res["max_check_error"],
+                                                                      res["max_error"])
+        if not out["validated"] and not args.force:
+            print("\nNo projection printed: the model does not fit the measured points well enough to project "
+                  "(above). --force prints it anyway.")
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump(out, fh, indent=1, default=str)
+            return
+        if not out["validated"]:
+            print("\n*** NOT VALIDATED (--force): the numbers below come from a model that misses measured points "
+                  "***")
         w1 = (args.world1_ms, "given") if args.world1_ms else world1_estimate(args.params, rows)
         if w1 is None:
             raise SystemExit("projection: no measured world-1 step time to scale; pass --world1-ms")
@@ -399,8 +441,6 @@ def main(argv=None):
             print(f"{n:5d} {fmt(z3)} {fmt(zp)} {fmt(s)} {sp(z3)} {sp(zp)}  {bes}")
             out["rows"].append({"nodes": n, "zero3": z3, "zeropp": zp, "sdp4bit": s,
                                 "break_even_vs_zero3": be[0], "break_even_vs_zeropp": be[1]})
-        out["fit"] = f.as_dict()
-        out["check_rows"], out["max_check_error"] = res["check_rows"], res["max_check_error"]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1, default=str)

@@ -654,6 +654,7 @@ def _overflow_worker(rank, world, dtype):
 def _check_dropped(runs):
     for r in runs:
         p = r["dropped"]["plain"]
+        assert p["skipped"] == 1   # the scenario bites: DeepSpeed 0.19.8 carries the NaN past zero_grad()
         for name in ("node", "full"):
             q = r["dropped"][name]
             assert q["skipped"] == p["skipped"], (name, q, p)

@@ -189,8 +189,12 @@ def test_kernels_do_not_import_the_dispatch():
     pkg = pathlib.Path(ops.__file__).parent
     for f in sorted((pkg / "kernels").glob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+            if isinstance(node, ast.ImportFrom):
                 names = [a.name for a in node.names]
                 assert not (node.level == 2 and node.module is None and "ops" in names), f
                 assert not (node.level == 2 and node.module == "ops"), f
+                assert not (node.level == 0 and node.module == "deepspeed_sdp4bit" and "ops" in names), f
+                assert not (node.level == 0 and node.module == "deepspeed_sdp4bit.ops"), f
+            if isinstance(node, ast.Import):
+                assert all(a.name != "deepspeed_sdp4bit.ops" for a in node.names), f
     assert ops.Backend is __import__("deepspeed_sdp4bit.backend", fromlist=["Backend"]).Backend
