@@ -66,7 +66,7 @@ def main():
         dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     topo = Topology.build(args.gpus_per_node)
-    cfg = parse_block({"kernel_backend": args.backend})
+    cfg = parse_block({} if args.backend == "auto" else {"kernel_backend": args.backend})   # "auto": key omitted
     reducer = GradientReducer(topo, cfg.gradients, cfg.seed, backend=args.backend)
     wsync = WeightDeltaAllGather(topo, cfg.weights, cfg.seed, backend=args.backend, level="full")
     rows = []

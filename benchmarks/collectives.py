@@ -128,7 +128,10 @@ def _refresh_layout(args, out: Path) -> int:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         dist.init_process_group("gloo", rank=0, world_size=1)  # _check_consistent's all-reduce: one rank
-    cfg = parse_block({"kernel_backend": args.backend, "weights": {"replica": args.replica}})
+    block = {"weights": {"replica": args.replica}}
+    if args.backend != "auto":   # "auto" is the omitted key (the config refuses the string)
+        block["kernel_backend"] = args.backend
+    cfg = parse_block(block)
     topo = Topology(shape=TopologyShape(nodes, gpn), rank=args.rank, group=None, global_ranks=list(range(W)))
     wsync = WeightDeltaAllGather(topo, cfg.weights, cfg.seed, backend=args.backend, level=args.replica)
     backend = get_backend(args.backend, dev)
@@ -251,5 +254,9 @@ def run(args) -> int:
     rc, wall = suite.run_process(cmd, env, work / "collectives.log", args.timeout)
     print("\n".join(suite.log_tail(work / "collectives.log", 12)))
     suite.pack_logs(work, out / f"{run_id}_logs.tar.gz")
-    print(f"[collectives] rc {rc}, {wall:.0f} s; results: {target}")
-    return 0 if rc == 0 else 1
+    if rc == 0 and target.is_file():
+        print(f"[collectives] rc 0, {wall:.0f} s; results: {target}")
+        return 0
+    print(f"[collectives] failed (rc {rc}, {wall:.0f} s): no results file; the log is in "
+          f"{out / (run_id + '_logs.tar.gz')}")
+    return 1

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,10 +294,8 @@ def run_process(cmd: List[str], env_extra: Dict[str, str], log_path: Path, timeo
         f.flush()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            rc = proc.wait(timeout=max(1.0, timeout_s))
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+
+        def _stop_group() -> None:
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(proc.pid, sig)
@@ -307,6 +306,24 @@ def run_process(cmd: List[str], env_extra: Dict[str, str], log_path: Path, timeo
                     break
                 except subprocess.TimeoutExpired:
                     continue
+
+        def _on_term(signum, frame):   # the suite itself stopped (e.g. `timeout`): take the ranks along
+            _stop_group()
+            raise SystemExit(128 + signum)
+
+        main_thread = threading.current_thread() is threading.main_thread()
+        old_term = signal.signal(signal.SIGTERM, _on_term) if main_thread else None
+        try:
+            rc = proc.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            _stop_group()
+        except BaseException:
+            _stop_group()
+            raise
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, old_term)
     return rc, time.time() - t0
 
 

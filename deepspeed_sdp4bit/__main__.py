@@ -215,7 +215,12 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
     with _launcher_env(gpus_per_node):
         requested = parse_ds_config(ds_config)
         # what deepspeed.initialize decides for this job (automatic choices made, parts turned off)
-        rp = integration.plan_run(ds_config, world, n_params=params, device_bytes=device_bytes)
+        try:
+            rp = integration.plan_run(ds_config, world, n_params=params, device_bytes=device_bytes)
+        except SDP4BitConfigError as e:
+            if gpus_per_node is None and "LOCAL_WORLD_SIZE" in str(e):
+                raise SDP4BitConfigError(f"{e} (here: pass --gpus-per-node G, the ranks per host)") from None
+            raise
         new_config, cfg, off_reason, notes = rp.ds_config, rp.cfg, rp.off_reason, list(rp.notes)
         out: Dict[str, Any] = {"world": world, "active": cfg.active, "lines": [], "cfg": cfg.model_dump()}
         lines = out["lines"]
@@ -224,6 +229,10 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
                          "sdp4bit is used")
             return out
         lines += [f"note: {n}" for n in notes]
+        given = requested.topology.gpus_per_node
+        if given is not None and gpus_per_node is not None and int(given) != int(gpus_per_node):
+            lines.append(f"note: the config's sdp4bit.topology.gpus_per_node={given} is used, not --gpus-per-node "
+                         f"{gpus_per_node}")
         if not cfg.active:
             lines.append(f"SDP4Bit is off for this job: {off_reason or 'nothing of it is enabled'}")
         try:

@@ -203,9 +203,11 @@ def choose_replica(gpus_per_node: int, n_params: Optional[int], budget: float, d
     if hpz > 1:
         return "node", f"zero_optimization.zero_hpz_partition_size={hpz} asks for per-node copies"
     if n_params is None or not device_bytes:
-        what = "the model size is not known yet (deepspeed.zero.Init)" if n_params is None else \
-            "the accelerator's memory is not known"
-        return ("full" if gpus_per_node == 1 else "node"), what
+        what = ("the model size is not known (under deepspeed.zero.Init not yet; the linter: --params)"
+                if n_params is None else "the accelerator's memory is not known (the linter: --device-memory-gb)")
+        if gpus_per_node == 1:
+            return "full", f"one rank per node, where a per-node copy is the whole model; {what}"
+        return "node", what
     need, allowed = 2 * int(n_params), budget * int(device_bytes)
     fits = need <= allowed
     why = (f"bf16 copy {need / 2**30:.2f} GiB {'<=' if fits else '>'} {budget:g} x {int(device_bytes) / 2**30:.1f} "

@@ -106,6 +106,7 @@ except Exception as _e:  # noqa: BLE001 - re-raised with context: this must neve
                      f"fix the package (it is at {_REPO}) first.") from _e
 
 from data import build_samplers  # noqa: E402
+from dsconfig import apply_ds_set  # noqa: E402
 from gpt import GPT, GPTConfig, count_params, flops_per_token  # noqa: E402
 
 DEFAULT_RANDOM_VOCAB = 50304
@@ -203,32 +204,13 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 # ----------------------------------------------------------------------------------------------- ds_config
 
-def _set_dotted(cfg: dict, key: str, raw: str) -> None:
-    try:
-        value = json.loads(raw)
-    except json.JSONDecodeError:
-        value = raw  # a bare string such as "auto"
-    parts = key.split(".")
-    node = cfg
-    for part in parts[:-1]:
-        nxt = node.setdefault(part, {})
-        if not isinstance(nxt, dict):
-            raise SystemExit(f"--ds-set {key}: {part!r} is not a JSON object in the ds_config")
-        node = nxt
-    node[parts[-1]] = value
-
-
 def build_ds_config(args: argparse.Namespace, notices: list) -> dict:
     """The ds_config dict for this run: the file, the --ds-set overrides, then the batch/optimizer fields."""
     with open(args.ds_config) as f:
         cfg = json.load(f)
     if not isinstance(cfg, dict):
         raise SystemExit(f"--ds-config {args.ds_config}: the file must hold a JSON object")
-    for item in args.ds_set:
-        if "=" not in item:
-            raise SystemExit(f"--ds-set expects KEY=VALUE, got {item!r}")
-        key, raw = item.split("=", 1)
-        _set_dotted(cfg, key.strip(), raw)
+    apply_ds_set(cfg, args.ds_set)
     if "train_batch_size" in cfg:
         notices.append("train_batch_size removed from the ds_config (derived from --micro-batch/--grad-accum)")
         cfg.pop("train_batch_size")

@@ -52,11 +52,14 @@ from transformers import (AutoModelForCausalLM, GPT2Config, Trainer, TrainerCall
                           TrainingArguments)
 
 from data import load_corpus, split_corpus  # noqa: E402
+from dsconfig import apply_ds_set  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ds-config", required=True, help="ds_config JSON (e.g. configs/sdp4bit.json), used as is")
+    p.add_argument("--ds-config", required=True, help="ds_config JSON (e.g. configs/sdp4bit.json)")
+    p.add_argument("--ds-set", action="append", default=[], metavar="KEY=JSON",
+                   help="override a ds_config entry by dotted path, e.g. sdp4bit.topology.gpus_per_node=2")
     p.add_argument("--out", required=True, help="output dir: checkpoints, final model, log.json")
     p.add_argument("--data", nargs="*", default=None, help="text files/dirs (default: the stdlib corpus)")
     p.add_argument("--max-bytes", type=int, default=0, help="use only the first N bytes of the corpus (0 = all)")
@@ -180,7 +183,7 @@ def heldout_loss(model, dataset, batch: int, device) -> float:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     with open(args.ds_config) as f:
-        ds = json.load(f)
+        ds = apply_ds_set(json.load(f), args.ds_set)
     # Batch keys the Trainer fills from TrainingArguments: HF's "auto" placeholders (outside the sdp4bit block,
     # where "auto" is refused: accelerate would try to fill it too).
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):

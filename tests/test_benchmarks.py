@@ -178,3 +178,17 @@ def test_replay_check_reports_per_step_agreement():
     assert "3 common steps" in text and "largest per-step difference 10.00%" in text
     assert "within 0.1% up to step 2 (step 3: 10.00%)" in text
     assert report.replay_check([rep], {"b/rep": [1.0]}) == ""
+
+
+def test_collectives_question_runs_on_cpu(tmp_path):
+    """Both modes of ``python -m benchmarks collectives`` as the README gives them, tiny: a results file each."""
+    out = tmp_path / "out"
+    proc = _suite(["collectives", "--cpu", "--topology", "2x1", "--sizes-mb", "0.5", "--iters", "1", "--warmup", "0",
+                   "--out", str(out)], tmp_path)
+    assert "failed" not in proc.stdout
+    flat = json.loads(next(out.glob("collectives_*_flat_2x1.json")).read_text())
+    assert flat["rows"] and all(r["world"] == 2 for r in flat["rows"])
+    _suite(["collectives", "--layout", "gpt", "--model", "tiny", "--topology", "2x1", "--iters", "1", "--warmup", "0",
+            "--out", str(out)], tmp_path)
+    layout = json.loads(next(out.glob("collectives_*_refresh_tiny_2x1_full.json")).read_text())
+    assert layout["rows"]

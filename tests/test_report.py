@@ -65,9 +65,11 @@ def test_omitted_topology_uses_gpus_per_node_and_config_value_wins(capsys):
     ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
     assert report.plan(ds, 8, 4)["shape"] == [2, 4]
     ds["sdp4bit"]["topology"] = {"gpus_per_node": 2}
-    assert report.plan(ds, 8, 4)["shape"] == [4, 2]
+    p = report.plan(ds, 8, 4)
+    assert p["shape"] == [4, 2]
+    assert any("gpus_per_node=2 is used, not --gpus-per-node 4" in ln for ln in p["lines"])
     del ds["sdp4bit"]["topology"]
-    with pytest.raises(SDP4BitConfigError, match="LOCAL_WORLD_SIZE"):
+    with pytest.raises(SDP4BitConfigError, match="LOCAL_WORLD_SIZE.*pass --gpus-per-node"):
         report.plan(ds, 8, None)
 
 
