@@ -1,6 +1,6 @@
 """``python -m benchmarks accuracy``: train loss of the GPT per config x topology x seed x schedule.
 
-Defaults are the 86M runs of issue 21: GPT d768 L12 H12 on the byte corpus of examples/data.py (the Python
+Defaults are the project's 86M accuracy runs: GPT d768 L12 H12 on the byte corpus of examples/data.py (the Python
 standard library source), micro-batch 8, seq 1024, AdamW lr 6e-4, 500 steps; ``--schedules constant`` (no
 warm-up, no decay) and/or ``cosine`` (linear warm-up over 5% of the steps, cosine to 0.1 x lr).  A seed sets
 both the model initialisation (``--seed``) and the data order (``--data-seed``) of train_gpt.py.
