@@ -86,7 +86,8 @@ def test_e2e_and_report_on_cpu(tmp_path):
     table = report.throughput_table(rows)
     assert "sdp4bit:full" in table and "2x1" in table
     head = report.headline(rows, [])
-    assert "not measured" in head and head.count("\n| ") == len(report.HEADLINE_CELLS) + 1
+    # the speed table (header + a row per cell) and the loss table (header + "not measured": no accuracy rows)
+    assert "not measured" in head and head.count("\n| ") == len(report.HEADLINE_CELLS) + 1 + 2
     text = report.replace_between(f"a\n{report.BEGIN}\nold\n{report.END}\nb", head)
     assert "old" not in text and text.startswith("a\n") and text.endswith("\nb")
 
@@ -169,6 +170,10 @@ def test_accuracy_table_pairs_seeds_and_counts_runs_finished_before_their_timeou
     assert "+0.50% (s1: +1.00%, s2: +0.00%)" in line          # same seed: +1% and 0%
     assert "+0.50% (s1: +0.00%, s2: +1.00%)" in line          # held-out, same seed
     assert "4x1" not in table and "9.0000" not in table
+    # the README headline's loss table: the default config's rows only, same-seed differences, ZeRO-3's spread
+    head = report.headline([], [dict(r, default=r["variant"] == "sdp4bit") for r in rows])
+    assert "| 86M | 4 | 2x2 | cosine | 500 | 2 (1,2) | +0.50% (+1.00%, +0.00%) | +0.50% (+0.00%, +1.00%) | 2: 11.11% |" \
+        in head
 
 
 def test_replay_check_reports_per_step_agreement():
