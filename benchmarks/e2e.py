@@ -146,23 +146,12 @@ def run(args) -> int:
     doc = {"meta": meta, "rows": rows}
     res_file = out / f"{run_id}.json"
 
-    def bound_rows() -> List[dict]:
-        found = list(rows)
-        for f in [results] + [Path(x) for x in args.bound_from]:
-            try:
-                found += suite.load_rows(f)
-            except (OSError, ValueError, json.JSONDecodeError):
-                pass
-        return found
+    def bound_rows() -> List[dict]:   # re-read: this call's own rows become bounds as they are written
+        return list(rows) + suite.load_rows_from([results] + [Path(x) for x in args.bound_from])
 
-    def link_rows() -> List[dict]:
-        found: List[dict] = []
-        for f in [out / "linkrate.json"] + [Path(x) for x in args.link_rates_from]:
-            try:
-                found += suite.load_rows(f)
-            except (OSError, ValueError, json.JSONDecodeError):
-                pass
-        return found
+    # the measured link rates do not change during the call: read once
+    link_rows = suite.load_rows_from([out / "linkrate.json"] + [Path(x) for x in args.link_rates_from]) \
+        if args.link_gbps else []
 
     for gbps, model in ((g, m) for g in rates for m in args.models):  # every config once per link rate
         shape = suite.MODELS[model]
@@ -248,7 +237,7 @@ def run(args) -> int:
                 if gbps is not None:
                     row["link_stats"] = link.stats_summary(link.read_stats(stats_dir))
                 if args.link_gbps:
-                    m = link.measured_rate(row, link_rows())
+                    m = link.measured_rate(row, link_rows)
                     row.update(link_measured_gbps=m["measured_gbps"] if m else None,
                                link_measured_source=m["row_id"] if m else None)
                 if rc != 0 or row.get("status") != "ok":

@@ -219,6 +219,16 @@ def _paired(rs: Sequence[dict], ref: Sequence[dict], key: str) -> List[Tuple[int
     return out
 
 
+def _paired_cell(rs: Sequence[dict], ref: Sequence[dict], key: str, seed_labels: bool) -> Optional[str]:
+    """``"+m% (d1, d2, ...)"``: the mean of the same-seed differences, then each (``s1: d1`` with seed labels);
+    None when no seed has both."""
+    pd = _paired(rs, ref, key)
+    if not pd:
+        return None
+    each = ", ".join((f"s{s_}: " if seed_labels else "") + f"{d:+.2f}%" for s_, d in pd)
+    return f"{_mean([d for _, d in pd]):+.2f}% ({each})"
+
+
 def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]] = None) -> str:
     groups = _acc_groups(rows)
     if not groups:
@@ -235,11 +245,9 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
             m = _mean(tl)
             diff = f"{100 * (m / ref_mean - 1):+.2f}%" if ref_mean and name != "zero3" else ("-" if name == "zero3"
                                                                                             else NM)
-            paired = {}
-            for key in ("train_loss", "heldout_loss"):
-                pd = _paired(rs, ref, key) if ref and name != "zero3" else []
-                paired[key] = ("-" if name == "zero3" else NM) if not pd else (
-                    f"{_mean([d for _, d in pd]):+.2f}% (" + ", ".join(f"s{s_}: {d:+.2f}%" for s_, d in pd) + ")")
+            paired = {key: ("-" if name == "zero3" else
+                            (_paired_cell(rs, ref, key, seed_labels=True) if ref else None) or NM)
+                      for key in ("train_loss", "heldout_loss")}
             ho = [r["heldout_loss"] for r in rs if r.get("heldout_loss") is not None]
             topo = "any (" + ", ".join(sorted({r["topology"] for r in rs})) + ")" if name == "zero3" else rs[0]["topology"]
             seeds = ",".join(str(r["seed"]) + ("*" if r.get("status") != "ok" else "") for r in rs)
@@ -488,11 +496,7 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
         for name, rs in sorted(g.items()):
             if name == "zero3" or not rs[0].get("default"):
                 continue
-            cells = []
-            for key in ("train_loss", "heldout_loss"):
-                pd = _paired(rs, ref, key)
-                cells.append(NM if not pd else f"{_mean([d for _, d in pd]):+.2f}% ("
-                             + ", ".join(f"{d:+.2f}%" for _, d in pd) + ")")
+            cells = [_paired_cell(rs, ref, key, seed_labels=False) or NM for key in ("train_loss", "heldout_loss")]
             loss.append(f"| {model} | {ranks} | {rs[0]['topology']} | {sched} | {steps} | "
                         f"{len(rs)} ({','.join(str(r['seed']) for r in rs)}) | {cells[0]} | {cells[1]} | {spread} | "
                         f"{rs[0].get('machine', '-')} |")

@@ -232,6 +232,17 @@ def load_rows(path: Path) -> List[dict]:
     return data
 
 
+def load_rows_from(paths: Sequence[Path]) -> List[dict]:
+    """The rows of every readable row file of ``paths`` (a missing or unreadable file adds none)."""
+    found: List[dict] = []
+    for f in paths:
+        try:
+            found += load_rows(f)
+        except (OSError, ValueError, json.JSONDecodeError):
+            pass
+    return found
+
+
 def merge_rows(path: Path, rows: Sequence[dict]) -> List[dict]:
     """Merge ``rows`` into the JSON list at ``path`` (same ``row_id`` replaced, others kept); returns it."""
     old = load_rows(path)
