@@ -19,9 +19,10 @@ import torch
 
 from . import reference as R
 from .backend import BACKEND_NAMES, OP_NAMES, Backend  # noqa: F401 - re-exported (the dispatch's names)
-from .kernels import _common
+from .kernels import _common  # the kernels' argument checks: the torch backend rejects the same inputs alike
 
 logger = logging.getLogger("deepspeed_sdp4bit")
+
 
 def _copy_out(t: torch.Tensor, out: Optional[torch.Tensor], what: str) -> torch.Tensor:
     if out is None:
@@ -33,22 +34,16 @@ def _copy_out(t: torch.Tensor, out: Optional[torch.Tensor], what: str) -> torch.
 
 
 # ----- torch backend: the reference ops, with out buffers and device placement -----
-def _checks():
-    """The argument checks the kernel backends share (``kernels/_common.py``), so that the torch backend rejects
-    the same inputs with the same messages (``_common`` imports neither Triton nor the CUDA extension)."""
-    return _common
-
-
 def _t_hadamard_quantize(x, bits, group_size, hadamard_size, rounding="nearest", key=None, offset=0,
                          swizzle=None, out=None, out_scales=None):
-    _checks().quantize_plan(x, bits, group_size, hadamard_size, rounding, key, swizzle)
+    _common.quantize_plan(x, bits, group_size, hadamard_size, rounding, key, swizzle)
     p, s = R.hadamard_quantize(x, bits, group_size, hadamard_size, rounding, key, offset, swizzle)
     return _copy_out(p.to(x.device), out, "out"), _copy_out(s.to(x.device), out_scales, "out_scales")
 
 
 def _t_dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, rounding="nearest", key=None,
                            offset=0, out_group_size=None, out=None, out_scales=None):
-    _checks().requant_plan(payloads, scales, in_bits, out_bits, group_size, rounding, key, out_group_size)
+    _common.requant_plan(payloads, scales, in_bits, out_bits, group_size, rounding, key, out_group_size)
     p, s = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, rounding, key, offset,
                                  out_group_size)
     return _copy_out(p, out, "out"), _copy_out(s, out_scales, "out_scales")
@@ -57,7 +52,7 @@ def _t_dequant_sum_requant(payloads, scales, in_bits, out_bits, group_size, roun
 def _t_dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard_size,
                                     out_dtype=torch.float32, post_scale=1.0, out=None):
     # (checks ``out`` too: float, at least m elements, the chunks' device, contiguous)
-    _checks().inverse_checks(payloads, scales, bits, group_size, hadamard_size, out_dtype, out)
+    _common.inverse_checks(payloads, scales, bits, group_size, hadamard_size, out_dtype, out)
     if out is not None:
         out_dtype = out.dtype
     y = R.dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard_size, out_dtype, post_scale)
@@ -69,18 +64,18 @@ def _t_dequant_sum_inverse_hadamard(payloads, scales, bits, group_size, hadamard
 
 def _t_weight_delta_quantize(master, replica, bits, group_size, rounding="nearest", key=None, offset=0,
                              mode="diff", out=None, out_scales=None):
-    _checks().weight_delta_plan(master, replica, bits, group_size, rounding, key, mode)
+    _common.weight_delta_plan(master, replica, bits, group_size, rounding, key, mode)
     p, s = R.weight_delta_quantize(master, replica, bits, group_size, rounding, key, offset, mode)
     return _copy_out(p, out, "out"), _copy_out(s, out_scales, "out_scales")
 
 
 def _t_dequant_add_(replica, payload, scales, bits, group_size, mode="diff"):
-    _checks().dequant_add_plan(replica, payload, scales, bits, group_size, mode)
+    _common.dequant_add_plan(replica, payload, scales, bits, group_size, mode)
     return R.dequant_add_(replica, payload, scales, bits, group_size, mode)
 
 
 def _t_dequant_add_segments_(dst, payload, scales, bits, group_size, mode, segments):
-    _checks().dequant_add_segments_plan(dst, payload, scales, bits, group_size, mode, segments)
+    _common.dequant_add_segments_plan(dst, payload, scales, bits, group_size, mode, segments)
     return R.dequant_add_segments_(dst, payload, scales, bits, group_size, mode, segments)
 
 
