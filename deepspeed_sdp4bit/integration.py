@@ -47,6 +47,7 @@ checkpoints ``state_dict`` / ``_rigid_load_state_dict`` carry the bf16 replica p
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -122,6 +123,9 @@ def install() -> bool:
     if not getattr(GatheredParameters.__exit__, "_sdp4bit_wrapped", False):
         _ORIG["GatheredParameters.__exit__"] = GatheredParameters.__exit__
         GatheredParameters.__exit__ = _make_gathered_exit(GatheredParameters.__exit__)
+    if not getattr(GatheredParameters.__enter__, "_sdp4bit_wrapped", False):
+        _ORIG["GatheredParameters.__enter__"] = GatheredParameters.__enter__
+        GatheredParameters.__enter__ = _make_gathered_enter(GatheredParameters.__enter__)
 
     patches = {
         "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads": _avg_scatter_grads,
@@ -476,6 +480,28 @@ def _make_zero_init(orig_init):
     return __init__
 
 
+def _replicas_holding(ctx) -> List["_Replica"]:
+    """The live full replicas that hold some parameter of a ``GatheredParameters`` context."""
+    if not (getattr(ctx, "enabled", True) and _FULL_REPLICAS):
+        return []
+    ids = {id(p) for p in getattr(ctx, "params", ())}
+    return [rep for rep in list(_FULL_REPLICAS) if any(i in rep for i in ids)]
+
+
+def _make_gathered_enter(orig_enter):
+    """Inside ``deepspeed.zero.GatheredParameters`` the full-replica parameters are read (or written) directly:
+    wait for a refresh still in flight (``weights.overlap``) first."""
+
+    @functools.wraps(orig_enter)
+    def __enter__(self):
+        for rep in _replicas_holding(self):
+            rep.wait()
+        return orig_enter(self)
+
+    __enter__._sdp4bit_wrapped = True
+    return __enter__
+
+
 def _make_gathered_exit(orig_exit):
     """``deepspeed.zero.GatheredParameters`` partitions its parameters on exit, which would leave full-replica
     parameters empty (the next forward would gather a second copy of them): point them at their replica
@@ -484,11 +510,8 @@ def _make_gathered_exit(orig_exit):
     @functools.wraps(orig_exit)
     def __exit__(self, *exc):
         result = orig_exit(self, *exc)
-        if getattr(self, "enabled", True) and _FULL_REPLICAS:
-            ids = {id(p) for p in getattr(self, "params", ())}
-            for rep in list(_FULL_REPLICAS):
-                if any(i in rep for i in ids):
-                    rep.after_gathered(modified=getattr(self, "src_rank", None) is not None)
+        for rep in _replicas_holding(self):
+            rep.after_gathered(modified=getattr(self, "src_rank", None) is not None)
         return result
 
     __exit__._sdp4bit_wrapped = True
@@ -519,9 +542,8 @@ def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:
 class _Replica:
     """The persistent bf16 replica of one engine: its layout, buffers, refresh, resync and ``p.data``.
 
-    Built once when SDP4Bit is attached; a step then runs one :meth:`WeightDeltaAllGather.refresh` per
-    optimizer sub-group with segment plans prepared here (one fused op-6 launch per source, nothing per
-    parameter in Python).
+    Built once when SDP4Bit is attached; a step then runs :meth:`WeightDeltaAllGather.refresh` calls with segment
+    plans prepared here (one fused op-6 launch per source and call, nothing per parameter in Python).
 
     * ``layout[k]``: sub-group ``k``'s parameters as ``(param, offset in the flat partition, partition numel
       P)``, DeepSpeed's flat partition order (the same on every rank).
@@ -531,11 +553,54 @@ class _Replica:
       ``node``: the parameters' hpZ secondary tensors (DeepSpeed's node replica), views of the buffer kept for
       good (never invalidated): local rank ``l`` keeps primary partitions ``l*N .. l*N+N-1`` of each parameter.
     * ``plans[k]``: {source rank: :class:`~deepspeed_sdp4bit.segments.SegmentPlan` of its pieces in
-      ``flat[k]``}, checked once.
-    Invariant: every copy of a partition is bit-identical to its owner's bf16 partition.
+      ``flat[k]``}, checked once (the node refresh and every resync use them).
+    * ``runs`` (full level): the step's refresh in pieces.  Every parameter gets a *stage*: the model's modules
+      in registration order, cut into ``weights.pieces`` stages of about equal parameter count at module
+      boundaries (a parameter belongs to the first module that registers it).  A run is a range of a
+      sub-group's flat partition (cut where the stage changes, at offsets that are multiples of ``ALIGN``) with
+      its own plans; runs execute in stage order, and after the runs of stage ``s`` the replica of every
+      parameter of stages ``<= s`` is current.  With ``weights.overlap`` on a CUDA device the runs execute on a
+      side stream after ``step()`` has returned, an event marks the end of each stage, and a forward pre-hook
+      on every module makes the current stream wait for the stage of the module's own parameters.
+    Invariant: every copy of a partition is bit-identical to its owner's bf16 partition (once :meth:`wait`
+    has returned, or the module's forward has started).
     """
 
     ALIGN = 16
+
+    @classmethod
+    def _pieces(cls, items, topology, level):
+        """Where each source's pieces of ``items`` go in a sub-group buffer: ``({source: [(src offset, dst
+        offset, length, item index)]}, starts, sizes, buffer numel)`` (see :meth:`sub_group`)."""
+        W, N = topology.world_size, topology.num_nodes
+        pieces: Dict[int, List[Tuple[int, int, int, int]]] = {}
+        starts, sizes, start = [], [], 0
+        for i, (p, off, P) in enumerate(items):
+            size = p.ds_numel if level == "full" else N * P
+            if level == "full":
+                for s in range(W):
+                    if s * P < size:
+                        pieces.setdefault(s, []).append((off, start + s * P, min(P, size - s * P), i))
+            else:
+                for j in range(N):
+                    pieces.setdefault(topology.local * N + j, []).append((off, start + j * P, P, i))
+            starts.append(start)
+            sizes.append(size)
+            start += -(-size // cls.ALIGN) * cls.ALIGN
+        return pieces, starts, sizes, start
+
+    @staticmethod
+    def _plans(pieces, needed, buf, src_numel, lo=0, hi=None, base=0):
+        """{source: SegmentPlan} of the pieces of items ``lo..hi-1`` (source offsets minus ``base``) for every
+        needed source ([] where a source has none there)."""
+        from .segments import make_segment_plan
+
+        out: Dict[int, Any] = {}
+        for src in needed:
+            segs = [x for x in pieces.get(src, ()) if lo <= x[3] and (hi is None or x[3] < hi)]
+            out[src] = (make_segment_plan([x[0] - base for x in segs], [x[1] for x in segs], [x[2] for x in segs],
+                                          buf, src_numel=src_numel) if segs else [])
+        return out
 
     @classmethod
     def sub_group(cls, items, M: int, topology, level: str, needed, dtype, device, new=None):
@@ -547,34 +612,42 @@ class _Replica:
         where every element is written by the first resync).  Returns ``(buf, [view per item], {source:
         SegmentPlan})``; the views are the full data (``full``) or the hpZ secondary tensor (``node``).
         """
-        from .segments import make_segment_plan
-
-        W, N = topology.world_size, topology.num_nodes
-        pieces: Dict[int, List[Tuple[int, int, int]]] = {}   # source -> [(src offset, dst offset, length)]
-        starts, sizes, start = [], [], 0
-        for p, off, P in items:
-            size = p.ds_numel if level == "full" else N * P
-            if level == "full":
-                for s in range(W):
-                    if s * P < size:
-                        pieces.setdefault(s, []).append((off, start + s * P, min(P, size - s * P)))
-            else:
-                for j in range(N):
-                    pieces.setdefault(topology.local * N + j, []).append((off, start + j * P, P))
-            starts.append(start)
-            sizes.append(size)
-            start += -(-size // cls.ALIGN) * cls.ALIGN
+        pieces, starts, sizes, numel = cls._pieces(items, topology, level)
         if new is None:
             new = lambda n, dtype, device: (torch.zeros if level == "node" else torch.empty)(  # noqa: E731
                 n, dtype=dtype, device=device)
-        buf = new(start, dtype, device)
+        buf = new(numel, dtype, device)
         views = [buf[a:a + n] for a, n in zip(starts, sizes)]
-        plans = {src: make_segment_plan([x[0] for x in segs], [x[1] for x in segs], [x[2] for x in segs], buf,
-                                        src_numel=M)
-                 for src, segs in pieces.items() if src in set(needed)}
+        plans = {src: plan for src, plan in cls._plans(pieces, needed, buf, M).items() if src in pieces}
         return buf, views, plans
 
-    def __init__(self, opt, state: "SDP4BitState"):
+    @staticmethod
+    def stages(module, params, pieces: int, min_numel: int = 1) -> Dict[int, int]:
+        """{id(param): stage}: ``module``'s modules in registration order cut into at most ``pieces`` stages of
+        about equal parameter count (by ``ds_numel``) and at least ``min_numel`` parameters each, never inside a
+        module's own parameters; a parameter belongs to the first module that registers it, one outside
+        ``module`` to stage 0."""
+        first: Dict[int, int] = {}
+        if module is not None:
+            for mi, m in enumerate(module.modules()):
+                for p in m.parameters(recurse=False):
+                    first.setdefault(id(p), mi)
+        ours = sorted(range(len(params)), key=lambda i: (first.get(id(params[i]), -1), i))
+        total = sum(p.ds_numel for p in params) or 1
+        pieces = max(1, min(pieces, total // max(1, min_numel)))
+        out: Dict[int, int] = {}
+        done, prev_mod, stage = 0, None, 0
+        for i in ours:
+            p = params[i]
+            mod = first.get(id(p), -1)
+            if mod != prev_mod:
+                stage = min(pieces - 1, done * pieces // total)
+                prev_mod = mod
+            out[id(p)] = stage
+            done += p.ds_numel
+        return out
+
+    def __init__(self, opt, state: "SDP4BitState", module=None):
         self.topology = state.topology
         self.weights = state.weights
         self.level = state.level
@@ -590,15 +663,23 @@ class _Replica:
         self.flat: List[Optional[torch.Tensor]] = []
         self.plans: List[Dict[int, Any]] = []
         self._views: Dict[int, torch.Tensor] = {}
+        # full level: [(stage, sub-group, a, b, {source: plan})], in execution order
+        self.runs: List[Tuple[int, int, int, int, Dict[int, Any]]] = []
+        self.stage_of: Dict[int, int] = {}
         needed = self.weights.sources_needed()
+        wcfg = state.cfg.weights
+        if self.level == "full":
+            # each run of a stage holds >= 16 quantization groups per rank: its own padding stays <= 1/16
+            self.stage_of = self.stages(module, self.params, wcfg.pieces,
+                                        16 * wcfg.group_size * self.topology.world_size)
         for k, items in enumerate(self.layout):
             if not items:
                 self.flat.append(None)
                 self.plans.append({})
                 continue
             ref = items[0][0].ds_tensor
-            buf, views, plans = self.sub_group(items, opt.fp16_partitioned_groups_flat[k].numel(), self.topology,
-                                               self.level, needed, ref.dtype, ref.device)
+            M = opt.fp16_partitioned_groups_flat[k].numel()
+            buf, views, plans = self.sub_group(items, M, self.topology, self.level, needed, ref.dtype, ref.device)
             self.flat.append(buf)
             self.plans.append(plans)
             for (p, _, _), view in zip(items, views):
@@ -606,9 +687,63 @@ class _Replica:
                     self._views[id(p)] = view
                 else:
                     self._set_secondary(p, view)
+            if self.level == "full":
+                self._add_runs(k, items, buf, needed)
+        self.runs.sort(key=lambda r: (r[0], r[1], r[2]))
+        self.n_stages = 1 + max((r[0] for r in self.runs), default=0)
+        self._dirty: set = set()
+        dev = self.flat[0].device if self.flat and self.flat[0] is not None else None
+        self._stream = None
+        if self.level == "full" and wcfg.overlap and dev is not None and dev.type == "cuda":
+            self._stream = torch.cuda.Stream(device=dev)
+            self._events = [torch.cuda.Event() for _ in range(self.n_stages)]
+        self._waited = self.n_stages - 1      # stages whose end the current stream has waited for
+        self._hooks = self._hook(module) if self._stream is not None and module is not None else []
         self._opt = weakref.ref(opt)
         if self.level == "full":
             _FULL_REPLICAS.add(self)
+
+    def _add_runs(self, k: int, items, buf, needed) -> None:
+        """Cut sub-group ``k`` into runs where the stage changes (at ALIGN-multiple offsets) and plan each."""
+        pieces = self._pieces(items, self.topology, self.level)[0]
+        bounds = [0]
+        for i in range(1, len(items)):
+            if (self.stage_of[id(items[i][0])] != self.stage_of[id(items[i - 1][0])]
+                    and items[i][1] % self.ALIGN == 0):
+                bounds.append(i)
+        bounds.append(len(items))
+        for lo, hi in zip(bounds, bounds[1:]):
+            a = items[lo][1]
+            b = items[hi - 1][1] + items[hi - 1][2]
+            stage = min(self.stage_of[id(items[i][0])] for i in range(lo, hi))
+            self.runs.append((stage, k, a, b, self._plans(pieces, needed, buf, b - a, lo, hi, base=a)))
+
+    def _hook(self, module) -> list:
+        """Forward pre-hooks: each module waits for the stage of its own parameters (the root at least for
+        stage 0, which holds parameters outside every module)."""
+        handles = []
+        me = weakref.ref(self)
+        for m in module.modules():
+            stage = max((self.stage_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self.stage_of),
+                        default=0 if m is module else None)
+            if stage is None:
+                continue
+
+            def pre_hook(_mod, _args, stage=stage):
+                rep = me()
+                if rep is not None:
+                    rep.wait(stage)
+
+            handles.append(m.register_forward_pre_hook(pre_hook))
+        return handles
+
+    def wait(self, stage: Optional[int] = None) -> None:
+        """Make the current stream wait until the replica of every parameter of stages ``<= stage`` (default:
+        all) is current.  No host synchronisation; a no-op where the refresh ran inside ``step()``."""
+        s = self.n_stages - 1 if stage is None else min(stage, self.n_stages - 1)
+        if s > self._waited:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._events[s])
+            self._waited = s
 
     def __getitem__(self, param_id: int) -> torch.Tensor:
         """Full level: the replica view (bf16 [ds_numel]) of the parameter with this ``id``."""
@@ -630,9 +765,41 @@ class _Replica:
         p.ds_secondary_tensor = view
 
     def refresh(self, opt, k: int, step: int) -> None:
+        """After the optimizer step of sub-group ``k``: node level refreshes it now; full level marks it for
+        :meth:`flush` at the end of the step."""
         own = opt.fp16_partitioned_groups_flat[k]
-        if own.numel():
+        if not own.numel():
+            return
+        if self.level == "full":
+            self._dirty.add(k)
+        else:
             self.weights.refresh(opt.fp32_partitioned_groups_flat[k], own, self.plans[k], step=step, bucket_id=k)
+
+    def flush(self, opt, step: int) -> None:
+        """Full level, end of the step: the runs of the refreshed sub-groups, in stage order (on the side stream
+        with an event per stage when overlapping, else now on the current stream)."""
+        dirty, self._dirty = self._dirty, set()
+        if not dirty:
+            return
+        ctx = contextlib.nullcontext()
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            ctx = torch.cuda.stream(self._stream)
+        with ctx:
+            stage = 0
+            for i, (s, k, a, b, plans) in enumerate(self.runs):
+                if self._stream is not None:
+                    while stage < s:
+                        self._events[stage].record(self._stream)
+                        stage += 1
+                if k in dirty:
+                    self.weights.refresh(opt.fp32_partitioned_groups_flat[k][a:b],
+                                         opt.fp16_partitioned_groups_flat[k][a:b], plans, step=step, bucket_id=i)
+            if self._stream is not None:
+                while stage < self.n_stages:
+                    self._events[stage].record(self._stream)
+                    stage += 1
+                self._waited = -1
 
     def zero_padding(self, opt) -> None:
         """Zero the alignment padding of the flat partitions (DeepSpeed leaves it uninitialized).
@@ -650,6 +817,7 @@ class _Replica:
 
     def resync(self, opt) -> None:
         """Exact re-synchronisation of every copy from the owners' bf16 partitions (collective)."""
+        self.wait()
         opt._partition_all_parameters()
         for k in range(len(self.layout)):
             self.weights.full_sync(opt.fp16_partitioned_groups_flat[k], self.plans[k], bucket_id=k)
@@ -793,6 +961,19 @@ class SDP4BitState:
         """After the optimizer step of one sub-group: qWD instead of DeepSpeed's fp32 -> bf16 copy."""
         self.replica.refresh(opt, sub_group_id, self.step)
 
+    def flush(self, opt) -> None:
+        """End of the step (full level): run the refresh of the stepped sub-groups (see :class:`_Replica`)."""
+        self.replica.flush(opt, self.step)
+
+    def wait(self) -> None:
+        """Make the current stream wait until every replica is current (see :meth:`_Replica.wait`).
+
+        With ``weights.overlap`` the full replica's refresh is still in flight when ``step()`` returns; each
+        module's forward waits for its own parameters, and so do checkpoints, ``GatheredParameters`` and the
+        next step.  Call this before reading parameters outside a forward (e.g. a weight norm for logging)."""
+        if self.replica is not None:
+            self.replica.wait()
+
     def resync(self, opt) -> None:
         """Exact re-synchronisation of every replica from the owners' bf16 partitions (collective)."""
         if self.replica is not None:
@@ -913,7 +1094,7 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
                 raise SDP4BitConfigError("sdp4bit.weights.replica='full' needs every parameter persistent "
                                          "(stage3_param_persistence_threshold); use deepspeed.initialize "
                                          "after importing deepspeed_sdp4bit so the config is adjusted")
-        state.replica = _Replica(opt, state)
+        state.replica = _Replica(opt, state, module=engine.module)
         state.replica.zero_padding(opt)
     setattr(opt, _STATE_ATTR, state)
     # Start from exact replicas: DeepSpeed built them from the initial bf16 weights, but a resync makes the
@@ -1097,6 +1278,7 @@ def _post_step(orig):
             orig(self, timer_names)
         finally:
             self.persistent_parameters = saved
+        st.flush(self)
         st.point_params()
 
     return _post
@@ -1145,6 +1327,7 @@ def _step(orig):
         st = _active(self)
         if st is None:
             return orig(self, *args, **kwargs)
+        st.wait()   # the last step's refresh reads the master and bf16 partitions this step writes
         flagged = st.flag_nonfinite_for_norm(self)
         try:
             result = orig(self, *args, **kwargs)
@@ -1164,8 +1347,10 @@ def _state_dict(orig):
     # it too, with the step counter of the rounding streams.
     @functools.wraps(orig)
     def state_dict(self):
-        sd = orig(self)
         st = _active(self)
+        if st is not None:
+            st.wait()
+        sd = orig(self)
         if st is not None:
             extra = {"step": st.step, "topology": [st.topology.num_nodes, st.topology.gpus_per_node]}
             if st.weights is not None:
@@ -1190,6 +1375,8 @@ def _rigid_load_state_dict(orig):
                     f"sdp4bit: the checkpoint was saved with {n0} node(s) x {g0} GPU(s) per node, this job runs "
                     f"{n1} x {g1}: resume with the same layout (sdp4bit.topology.gpus_per_node = {g0}, or "
                     f"{g0} ranks per host with the key omitted), or start a new run from the exported weights")
+        if st is not None:
+            st.wait()
         orig(self, state_dict, load_optimizer_states=load_optimizer_states)
         if st is None or extra is None:
             return

@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks in fresh processes (spawn, file store, no fixed ports).
+"""Run a function on N gloo (or NCCL) ranks in fresh processes (spawn, file store, no fixed ports).
 
 Usage in a test::
 
@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 600
 
 
-def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, env):
-    os.environ.update(env)
+def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, env, backend):
+    os.environ.update({k: v.format(rank=rank) for k, v in env.items()})
     os.environ.update({
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -39,7 +39,7 @@ def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, en
     torch.set_num_threads(1)
     result = {"ok": True, "value": None}
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
         result["value"] = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         result = {"ok": False, "error": traceback.format_exc()}
@@ -54,14 +54,17 @@ def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, en
 
 
 def run_distributed(fn, world_size: int, args=(), local_world_size: int = None, env=None,
-                    timeout: float = DEFAULT_TIMEOUT_S):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the values by rank."""
+                    timeout: float = DEFAULT_TIMEOUT_S, backend: str = "gloo"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of ``backend``; return the values by rank.
+
+    ``env``: variables set in each rank before anything else, ``{rank}`` in a value replaced by the rank (e.g.
+    ``NCCL_HOSTID="fakehost{rank}"``: NCCL ranks sharing one GPU, each its own host)."""
     local_world_size = local_world_size or world_size
     with tempfile.TemporaryDirectory(prefix="sdp4bit_dist_") as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_entry, args=(r, world_size, fn, args, store, tmp, local_world_size,
-                                                  dict(env or {})))
+                                                  dict(env or {}), backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

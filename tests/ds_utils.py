@@ -201,13 +201,13 @@ def train_steps(engine, steps: int, rank: int, start_step: int = 0, seed: int = 
     for step in range(start_step, start_step + steps):
         total = 0.0
         for micro in range(ga):
-            loss = engine(batch(step, micro, rank, micro_batch=mb, seed=seed))
+            loss = engine(batch(step, micro, rank, micro_batch=mb, seed=seed).to(engine.device))
             engine.backward(loss if loss_hook is None else loss_hook(loss, step, micro))
             engine.step()
             total += float(loss.detach())
         if norms is not None:
             norms.append(float(engine.get_global_grad_norm()))
-        t = torch.tensor([total / ga])
+        t = torch.tensor([total / ga], device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(t)
         losses.append(float(t) / dist.get_world_size())
     return losses

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import tempfile
 
 import pytest
@@ -535,6 +536,92 @@ def test_full_replica_triton_bit_identical_to_torch():
 
 
 # --------------------------------------------------------------------------------------------------------
+# family "pieces": the full replica refreshed in pieces (weights.pieces), on a side stream (weights.overlap)
+# --------------------------------------------------------------------------------------------------------
+PIECES = {"group_size": 32, "pieces": 4}   # the tiny model: 4 stages of >= 16 groups per rank
+
+
+def _cpu(x):
+    """Tensors (in dicts) moved to the CPU, for the parent process."""
+    if isinstance(x, dict):
+        return {k: _cpu(v) for k, v in x.items()}
+    return x.cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _pieces_worker(rank, world, steps, overlaps):
+    du = _setup()
+    res = {}
+    plain = du.make_engine(du.base_config())
+    res["plain"] = du.train_steps(plain, steps, rank)
+    del plain
+    for overlap in overlaps:
+        e = du.make_engine(du.base_config(sdp4bit=block(replica="full", weights={**PIECES, "overlap": overlap})))
+        rep = e.sdp4bit.replica
+        r = {"runs": [(s, k, a, b) for s, k, a, b, _ in rep.runs], "n_stages": rep.n_stages,
+             "M": [f.numel() for f in e.optimizer.fp16_partitioned_groups_flat],
+             "module_order": [rep.stage_of[id(p)] for p in e.module.parameters()],
+             "streamed": rep._stream is not None, "hooks": len(rep._hooks)}
+        r["losses"] = du.train_steps(e, steps - 1, rank)
+        # one more step by hand: after step() the refresh may still be in flight; the forward waits for it
+        loss = e(du.batch(steps - 1, 0, rank).to(e.device))
+        e.backward(loss)
+        e.step()
+        r["waited_after_step"] = rep._waited
+        e.sdp4bit.wait()
+        r["replicas"] = _cpu(_replica_report(e))
+        r["summary"] = e.sdp4bit_summary()
+        res[f"overlap={overlap}"] = r
+        del e
+    return res
+
+
+def _check_pieces(r):
+    # the runs cut every sub-group into consecutive ranges, and run in stage order
+    for k, M in enumerate(r["M"]):
+        mine = sorted((a, b) for _, kk, a, b in r["runs"] if kk == k)
+        assert mine[0][0] == 0 and mine[-1][1] == M and all(x[1] == y[0] for x, y in zip(mine, mine[1:])), (k, mine)
+    assert [x[0] for x in r["runs"]] == sorted(x[0] for x in r["runs"])
+    # 4 stages, in the order the model registers its modules
+    assert r["n_stages"] == 4 and r["module_order"] == sorted(r["module_order"]) and r["module_order"][-1] == 3
+
+
+def test_full_replica_in_pieces():
+    runs = family(_pieces_worker, STEPS, (True,))
+    r = runs[0]["overlap=True"]
+    _check_pieces(r)
+    _check_full_replicas([x["overlap=True"] for x in runs], "replicas")
+    _close(r["losses"], runs[0]["plain"][:STEPS - 1], 3e-2)
+    assert r["summary"]["weights"]["compression"] > 1.8
+    if not r["streamed"]:   # CPU: no side stream, the refresh completes inside step()
+        assert r["hooks"] == 0 and r["waited_after_step"] == r["n_stages"] - 1
+
+
+def _cuda_share_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (4 NCCL ranks share it, each its own host); run on the GPU machine")
+    return {"NCCL_HOSTID": "fakehost{rank}", "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+            "DS_ACCELERATOR": "cuda"}
+
+
+def test_overlap_on_cuda_matches_the_refresh_inside_step():
+    env = _cuda_share_gpu()
+    runs = run_distributed(_pieces_worker, WORLD, args=(STEPS, (True, False)), local_world_size=1, env=env,
+                           backend="nccl")
+    on, off = runs[0]["overlap=True"], runs[0]["overlap=False"]
+    _check_pieces(on)
+    assert on["streamed"] and not off["streamed"] and on["hooks"] > 0
+    # the step returned with the refresh in flight (no stage waited), the next forward waited stage by stage
+    assert on["waited_after_step"] == -1 and off["waited_after_step"] == off["n_stages"] - 1
+    # same math on another stream: bit-identical losses and replicas
+    assert on["losses"] == off["losses"]
+    for x in runs:
+        a, b = (x[k]["replicas"]["params"] for k in ("overlap=True", "overlap=False"))
+        assert [torch.equal(d["replica"], e["replica"]) for d, e in zip(a.values(), b.values())] == [True] * len(a)
+    _check_full_replicas([x["overlap=True"] for x in runs], "replicas")
+    _close(on["losses"], runs[0]["plain"][:STEPS - 1], 3e-2)
+
+
+# --------------------------------------------------------------------------------------------------------
 # family "pipeline": gradients.pipeline_chunks > 1 inside the engine
 # --------------------------------------------------------------------------------------------------------
 def _pipeline_worker(rank, world, backend, steps):
@@ -863,3 +950,33 @@ def test_version_check_and_idempotent_install():
     assert integration.install() and integration.install()
     assert deepspeed.initialize is before and getattr(before, "_sdp4bit_wrapped", False)
     assert GatheredParameters.__exit__ is gp and gp._sdp4bit_wrapped
+
+
+def test_stages_follow_module_order_and_sizes():
+    from deepspeed_sdp4bit.integration import _Replica
+
+    class Lin(torch.nn.Module):
+        def __init__(self, n, bias=0):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(n))
+            self.b = torch.nn.Parameter(torch.zeros(bias)) if bias else None
+
+    root = torch.nn.Module()
+    root.emb = Lin(400)
+    root.blocks = torch.nn.ModuleList([Lin(100, bias=4) for _ in range(6)])
+    root.head = Lin(4)
+    root.head.tied = root.emb.w            # a tied weight: it belongs to the first module that registers it
+    params = list(root.parameters())
+    outside = torch.nn.Parameter(torch.zeros(7))   # an optimizer param outside the model: stage 0
+    for p in params + [outside]:
+        p.ds_numel = p.numel()
+    # optimizer order (the layout) need not be module order: reverse it
+    st = _Replica.stages(root, params[::-1] + [outside], 4)
+    emb, head = root.emb.w, root.head.w
+    assert st[id(emb)] == 0 and st[id(outside)] == 0 and st[id(head)] == 3
+    blocks = [(st[id(m.w)], st[id(m.b)]) for m in root.blocks]
+    assert all(w == b for w, b in blocks), "a module's own parameters were split"
+    assert [w for w, _ in blocks] == sorted(w for w, _ in blocks) and {w for w, _ in blocks} >= {1, 2, 3}
+    # pieces capped by the minimum size; one piece puts everything in stage 0
+    assert set(_Replica.stages(root, params, 4, min_numel=500).values()) == {0, 1}
+    assert set(_Replica.stages(root, params, 1).values()) == {0}
