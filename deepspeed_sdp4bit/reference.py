@@ -216,7 +216,7 @@ def round_codes(y: torch.Tensor, bits: int, rounding: str, key: Optional[int], o
     elif rounding == "stochastic":
         if key is None:
             raise ValueError("stochastic rounding needs a key (see make_key)")
-        offs = torch.arange(y.numel(), dtype=torch.int64) + int(offset)
+        offs = torch.arange(y.numel(), dtype=torch.int64, device=y.device) + int(offset)
         u1 = stochastic_uniforms(key, offs).view_as(y)
         r = torch.floor(y + u1) - 1.0
     else:

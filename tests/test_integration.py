@@ -548,14 +548,16 @@ def _cpu(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
-def _pieces_worker(rank, world, steps, overlaps):
+def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
     du = _setup()
     res = {}
     plain = du.make_engine(du.base_config())
     res["plain"] = du.train_steps(plain, steps, rank)
     del plain
     for overlap in overlaps:
-        e = du.make_engine(du.base_config(sdp4bit=block(replica="full", weights={**PIECES, "overlap": overlap})))
+        # the torch kernels on gloo; on CUDA the automatic choice (kernel_backend omitted), what users run
+        e = du.make_engine(du.base_config(sdp4bit=block(kernel_backend, replica="full",
+                                                        weights={**PIECES, "overlap": overlap})))
         rep = e.sdp4bit.replica
         r = {"runs": [(s, k, a, b) for s, k, a, b, _ in rep.runs], "n_stages": rep.n_stages,
              "M": [f.numel() for f in e.optimizer.fp16_partitioned_groups_flat],
@@ -605,7 +607,7 @@ def _cuda_share_gpu():
 
 def test_overlap_on_cuda_matches_the_refresh_inside_step():
     env = _cuda_share_gpu()
-    runs = run_distributed(_pieces_worker, WORLD, args=(STEPS, (True, False)), local_world_size=1, env=env,
+    runs = run_distributed(_pieces_worker, WORLD, args=(STEPS, (True, False), None), local_world_size=1, env=env,
                            backend="nccl")
     on, off = runs[0]["overlap=True"], runs[0]["overlap=False"]
     _check_pieces(on)
