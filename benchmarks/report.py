@@ -34,8 +34,8 @@ BEGIN, END = "<!-- suite:headline:begin -->", "<!-- suite:headline:end -->"
 # what the headline covers (issue 19): models x topologies
 HEADLINE_CELLS = [("406M", "1x1"), ("406M", "2x2"), ("406M", "4x1"), ("406M", "2x4"), ("406M", "8x1"),
                   ("1.3B", "1x1"), ("1.3B", "2x2"), ("1.3B", "4x1")]
-ORDER = ["zero3", "zeropp", "sdp4bit", "sdp4bit:node", "sdp4bit:full", "sdp4bit_no_overlap", "sdp4bit_one_piece",
-         "qwd", "qwd:node", "qwd:full", "tlq_hs", "tlq", "ulq", "qw"]
+ORDER = ["zero3", "zeropp", "sdp4bit", "sdp4bit:node", "sdp4bit:full", "sdp4bit_overlap", "sdp4bit_no_overlap",
+         "sdp4bit_one_piece", "qwd", "qwd:node", "qwd:full", "tlq_hs", "tlq", "ulq", "qw"]
 NM = "not measured"
 
 

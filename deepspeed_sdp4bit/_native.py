@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import warnings
 from types import ModuleType
 from typing import Optional, Tuple
 
@@ -78,6 +79,22 @@ _EXT = None
 _EXT_ERROR: Optional[BaseException] = None
 
 
+def lock_hint(name: str) -> Optional[str]:
+    """A warning when torch's JIT build folder of extension ``name`` holds a ``lock`` file, else None.
+
+    torch waits for that file without a timeout: a build killed mid-way (a job timeout, Ctrl-C) leaves it, and
+    every later run then hangs silently before training (seen on the GPU machines).
+    """
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+    if not os.path.exists(lock):
+        return None
+    return (f"sdp4bit: {lock} exists: another process (e.g. another rank) is building the CUDA extension, or an "
+            f"interrupted build left it; torch waits for it without a timeout, so if no other process is "
+            f"building, delete it")
+
+
 def load_extension(verbose: bool = False):
     """The compiled ``sdp4bit_quant`` extension module (JIT-built on first use, then cached in-process).
 
@@ -96,7 +113,14 @@ def load_extension(verbose: bool = False):
     except ImportError:
         pass
     try:
-        _EXT = make_builder().load(verbose=verbose)
+        builder = make_builder()
+        try:
+            hint = lock_hint(builder.name)
+        except Exception:  # noqa: BLE001 - a diagnostic never stops the load
+            hint = None
+        if hint:
+            warnings.warn(hint)
+        _EXT = builder.load(verbose=verbose)
     except Exception as e:  # noqa: BLE001 - kept and reported with its reason
         _EXT_ERROR = e
         raise RuntimeError(f"building the sdp4bit_quant CUDA extension failed: {type(e).__name__}: {e}") from e

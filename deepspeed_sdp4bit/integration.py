@@ -137,7 +137,10 @@ def install() -> bool:
         "step": _step,
         "state_dict": _state_dict,
         "_rigid_load_state_dict": _rigid_load_state_dict,
+        "checkpoint_event_prologue": _checkpoint_event_prologue,
         "checkpoint_event_epilogue": _checkpoint_event_epilogue,
+        "refresh_fp32_params": _waiting_first,
+        "_restore_from_bit16_weights": _waiting_first,
     }
     for name, factory in patches.items():
         orig = S3.__dict__.get(name)
@@ -539,6 +542,11 @@ def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:
 # ----------------------------------------------------------------------------------------------------------
 # the per-optimizer state
 # ----------------------------------------------------------------------------------------------------------
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
 class _Replica:
     """The persistent bf16 replica of one engine: its layout, buffers, refresh, resync and ``p.data``.
 
@@ -557,11 +565,12 @@ class _Replica:
     * ``runs`` (full level): the step's refresh in pieces.  Every parameter gets a *stage*: the model's modules
       in registration order, cut into ``weights.pieces`` stages of about equal parameter count at module
       boundaries (a parameter belongs to the first module that registers it).  A run is a range of a
-      sub-group's flat partition (cut where the stage changes, at offsets that are multiples of ``ALIGN``) with
-      its own plans; runs execute in stage order, and after the runs of stage ``s`` the replica of every
-      parameter of stages ``<= s`` is current.  With ``weights.overlap`` on a CUDA device the runs execute on a
-      side stream after ``step()`` has returned, an event marks the end of each stage, and a forward pre-hook
-      on every module makes the current stream wait for the stage of the module's own parameters.
+      sub-group's flat partition (cut where the stage changes, at offsets that are multiples of ``ALIGN``, into
+      runs of >= 16 quantization groups) with its own plans; a run's stage is its earliest parameter's; runs
+      execute in stage order, and after the runs of stage ``s`` the replica of every parameter of stages
+      ``<= s`` is current.  With ``weights.overlap`` on a CUDA device the runs execute on a side stream after
+      ``step()`` has returned, an event marks the end of each stage, and a forward pre-hook on every module
+      makes the current stream wait for the last stage of the parameters below it (:meth:`hook_stages`).
     Invariant: every copy of a partition is bit-identical to its owner's bf16 partition (once :meth:`wait`
     has returned, or the module's forward has started).
     """
@@ -688,7 +697,7 @@ class _Replica:
                 else:
                     self._set_secondary(p, view)
             if self.level == "full":
-                self._add_runs(k, items, buf, needed)
+                self._add_runs(k, items, buf, needed, 16 * wcfg.group_size)
         self.runs.sort(key=lambda r: (r[0], r[1], r[2]))
         self.n_stages = 1 + max((r[0] for r in self.runs), default=0)
         self._dirty: set = set()
@@ -697,20 +706,31 @@ class _Replica:
         if self.level == "full" and wcfg.overlap and dev is not None and dev.type == "cuda":
             self._stream = torch.cuda.Stream(device=dev)
             self._events = [torch.cuda.Event() for _ in range(self.n_stages)]
+            # memory the side stream works on, allocated on another stream: freed (engine deleted with a
+            # refresh in flight) only once the side stream's work queued by then is done
+            for k, buf in enumerate(self.flat):
+                if buf is not None:
+                    for t in (buf, opt.fp16_partitioned_groups_flat[k], opt.fp32_partitioned_groups_flat[k]):
+                        t.record_stream(self._stream)
+            weakref.finalize(self, self._stream.synchronize)   # (the plans' tile tables)
         self._waited = self.n_stages - 1      # stages whose end the current stream has waited for
         self._hooks = self._hook(module) if self._stream is not None and module is not None else []
         self._opt = weakref.ref(opt)
         if self.level == "full":
             _FULL_REPLICAS.add(self)
 
-    def _add_runs(self, k: int, items, buf, needed) -> None:
-        """Cut sub-group ``k`` into runs where the stage changes (at ALIGN-multiple offsets) and plan each."""
+    def _add_runs(self, k: int, items, buf, needed, min_run: int) -> None:
+        """Cut sub-group ``k`` into runs where the stage changes (at ALIGN-multiple offsets, runs of at least
+        ``min_run`` elements: a smaller one joins the run before it, which keeps the lower stage) and plan each."""
         pieces = self._pieces(items, self.topology, self.level)[0]
         bounds = [0]
         for i in range(1, len(items)):
             if (self.stage_of[id(items[i][0])] != self.stage_of[id(items[i - 1][0])]
-                    and items[i][1] % self.ALIGN == 0):
+                    and items[i][1] % self.ALIGN == 0 and items[i][1] - items[bounds[-1]][1] >= min_run):
                 bounds.append(i)
+        M = items[-1][1] + items[-1][2]
+        if len(bounds) > 1 and M - items[bounds[-1]][1] < min_run:
+            bounds.pop()   # a short tail joins the run before it
         bounds.append(len(items))
         for lo, hi in zip(bounds, bounds[1:]):
             a = items[lo][1]
@@ -718,16 +738,31 @@ class _Replica:
             stage = min(self.stage_of[id(items[i][0])] for i in range(lo, hi))
             self.runs.append((stage, k, a, b, self._plans(pieces, needed, buf, b - a, lo, hi, base=a)))
 
+    @staticmethod
+    def hook_stages(module, stage_of: Dict[int, int]) -> List[Tuple[torch.nn.Module, int]]:
+        """``[(submodule, stage its forward waits for)]``.
+
+        A module waits for the last stage of every parameter below it, not only its own: a module may read
+        its children's weights without calling their forward (``nn.MultiheadAttention`` reads ``out_proj``,
+        ``nn.TransformerEncoderLayer``'s fast path reads every child).  The root waits only for its own
+        parameters and stage 0 (parameters outside every module), else it would wait for everything before
+        the first layer; a parameter the root's own code reads from deeper down must be read through a
+        submodule's forward.
+        """
+        out = []
+        for m in module.modules():
+            ps = m.parameters(recurse=m is not module)   # the root: its own parameters only
+            stage = max((stage_of[id(p)] for p in ps if id(p) in stage_of), default=0 if m is module else None)
+            if stage is not None:
+                out.append((m, stage))
+        return out
+
     def _hook(self, module) -> list:
-        """Forward pre-hooks: each module waits for the stage of its own parameters (the root at least for
-        stage 0, which holds parameters outside every module)."""
+        """Forward pre-hooks making each module wait for its stage (:meth:`hook_stages`); removed with the
+        replica."""
         handles = []
         me = weakref.ref(self)
-        for m in module.modules():
-            stage = max((self.stage_of[id(p)] for p in m.parameters(recurse=False) if id(p) in self.stage_of),
-                        default=0 if m is module else None)
-            if stage is None:
-                continue
+        for m, stage in self.hook_stages(module, self.stage_of):
 
             def pre_hook(_mod, _args, stage=stage):
                 rep = me()
@@ -735,6 +770,7 @@ class _Replica:
                     rep.wait(stage)
 
             handles.append(m.register_forward_pre_hook(pre_hook))
+        weakref.finalize(self, _remove_handles, handles)
         return handles
 
     def wait(self, stage: Optional[int] = None) -> None:
@@ -1194,6 +1230,8 @@ def _engine_load_checkpoint(orig):
                     f"size it was saved with. Resume with {saved} ranks, or take the weights "
                     f"(engine.save_16bit_model / the Trainer's save_model, or DeepSpeed's zero_to_fp32.py) and "
                     f"start a new run from them with {cur} ranks (the optimizer state is not carried over)")
+        if st is not None:
+            st.wait()   # the module's weights are loaded before the optimizer's prologue runs
         return orig(self, load_dir, tag, *args, **kwargs)
 
     return load_checkpoint
@@ -1393,6 +1431,32 @@ def _rigid_load_state_dict(orig):
                 self._unflatten_partitioned_parameters(i)
 
     return _rigid_load
+
+
+def _waiting_first(orig):
+    # DeepSpeed methods that read or write the bf16 / fp32 partitions outside a step (module-only checkpoint
+    # loads, refresh_fp32_params): a refresh in flight (weights.overlap) finishes first.
+    @functools.wraps(orig)
+    def waiting(self, *args, **kwargs):
+        st = _active(self)
+        if st is not None:
+            st.wait()
+        return orig(self, *args, **kwargs)
+
+    return waiting
+
+
+def _checkpoint_event_prologue(orig):
+    # Both save and load start here (universal-checkpoint loads too, which bypass _rigid_load_state_dict):
+    # a refresh still in flight (weights.overlap) must not write the partitions being saved or loaded.
+    @functools.wraps(orig)
+    def checkpoint_event_prologue(self):
+        st = _active(self)
+        if st is not None:
+            st.wait()
+        return orig(self)
+
+    return checkpoint_event_prologue
 
 
 def _checkpoint_event_epilogue(orig):

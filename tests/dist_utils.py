@@ -23,7 +23,7 @@ DEFAULT_TIMEOUT_S = 600
 
 
 def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, env, backend):
-    os.environ.update({k: v.format(rank=rank) for k, v in env.items()})
+    os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in env.items()})
     os.environ.update({
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),

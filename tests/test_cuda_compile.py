@@ -171,3 +171,13 @@ def test_cuda_backend_unavailable_on_cpu_with_reason():
     assert not ok and "CUDA tensors" in why
     with pytest.raises(RuntimeError, match="cannot run on cpu"):
         ops.get_backend("cuda", "cpu")
+
+
+def test_lock_left_by_an_interrupted_build_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = _native.make_builder().name
+    assert _native.lock_hint(name) is None
+    (tmp_path / name).mkdir(exist_ok=True)
+    (tmp_path / name / "lock").write_text("")
+    hint = _native.lock_hint(name)
+    assert hint and str(tmp_path / name / "lock") in hint and "delete it" in hint
