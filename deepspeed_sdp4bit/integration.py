@@ -137,7 +137,7 @@ def install() -> bool:
         "step": _step,
         "state_dict": _state_dict,
         "_rigid_load_state_dict": _rigid_load_state_dict,
-        "checkpoint_event_prologue": _checkpoint_event_prologue,
+        "checkpoint_event_prologue": _waiting_first,
         "checkpoint_event_epilogue": _checkpoint_event_epilogue,
         "refresh_fp32_params": _waiting_first,
         "_restore_from_bit16_weights": _waiting_first,
@@ -612,7 +612,7 @@ class _Replica:
         return out
 
     @classmethod
-    def sub_group(cls, items, M: int, topology, level: str, needed, dtype, device, new=None):
+    def sub_group(cls, items, M: int, topology, level: str, needed, dtype, device, new=None, geometry=None):
         """One sub-group's flat buffer, each parameter's view of it and the segment plan of every kept source.
 
         ``items``: [(param, offset in the flat partition, P)] (a param needs ``ds_numel``); ``M``: the flat
@@ -620,8 +620,9 @@ class _Replica:
         the buffer (default: zeros at node level, like DeepSpeed's secondary padding; empty at full level,
         where every element is written by the first resync).  Returns ``(buf, [view per item], {source:
         SegmentPlan})``; the views are the full data (``full``) or the hpZ secondary tensor (``node``).
+        ``geometry``: :meth:`_pieces` of these items, when the caller has it already.
         """
-        pieces, starts, sizes, numel = cls._pieces(items, topology, level)
+        pieces, starts, sizes, numel = geometry or cls._pieces(items, topology, level)
         if new is None:
             new = lambda n, dtype, device: (torch.zeros if level == "node" else torch.empty)(  # noqa: E731
                 n, dtype=dtype, device=device)
@@ -688,7 +689,9 @@ class _Replica:
                 continue
             ref = items[0][0].ds_tensor
             M = opt.fp16_partitioned_groups_flat[k].numel()
-            buf, views, plans = self.sub_group(items, M, self.topology, self.level, needed, ref.dtype, ref.device)
+            geometry = self._pieces(items, self.topology, self.level)
+            buf, views, plans = self.sub_group(items, M, self.topology, self.level, needed, ref.dtype, ref.device,
+                                               geometry=geometry)
             self.flat.append(buf)
             self.plans.append(plans)
             for (p, _, _), view in zip(items, views):
@@ -697,7 +700,7 @@ class _Replica:
                 else:
                     self._set_secondary(p, view)
             if self.level == "full":
-                self._add_runs(k, items, buf, needed, 16 * wcfg.group_size)
+                self._add_runs(k, items, geometry[0], buf, needed, 16 * wcfg.group_size)
         self.runs.sort(key=lambda r: (r[0], r[1], r[2]))
         self.n_stages = 1 + max((r[0] for r in self.runs), default=0)
         self._dirty: set = set()
@@ -719,10 +722,10 @@ class _Replica:
         if self.level == "full":
             _FULL_REPLICAS.add(self)
 
-    def _add_runs(self, k: int, items, buf, needed, min_run: int) -> None:
+    def _add_runs(self, k: int, items, pieces, buf, needed, min_run: int) -> None:
         """Cut sub-group ``k`` into runs where the stage changes (at ALIGN-multiple offsets, runs of at least
-        ``min_run`` elements: a smaller one joins the run before it, which keeps the lower stage) and plan each."""
-        pieces = self._pieces(items, self.topology, self.level)[0]
+        ``min_run`` elements: a smaller one joins the run before it, which keeps the lower stage) and plan each
+        from ``pieces`` (:meth:`_pieces` of the items)."""
         bounds = [0]
         for i in range(1, len(items)):
             if (self.stage_of[id(items[i][0])] != self.stage_of[id(items[i - 1][0])]
@@ -1434,8 +1437,9 @@ def _rigid_load_state_dict(orig):
 
 
 def _waiting_first(orig):
-    # DeepSpeed methods that read or write the bf16 / fp32 partitions outside a step (module-only checkpoint
-    # loads, refresh_fp32_params): a refresh in flight (weights.overlap) finishes first.
+    # DeepSpeed methods that read or write the bf16 / fp32 partitions outside a step: a refresh in flight
+    # (weights.overlap) finishes first.  checkpoint_event_prologue starts every save and load (universal
+    # loads too, which bypass _rigid_load_state_dict); also module-only loads and refresh_fp32_params.
     @functools.wraps(orig)
     def waiting(self, *args, **kwargs):
         st = _active(self)
@@ -1444,19 +1448,6 @@ def _waiting_first(orig):
         return orig(self, *args, **kwargs)
 
     return waiting
-
-
-def _checkpoint_event_prologue(orig):
-    # Both save and load start here (universal-checkpoint loads too, which bypass _rigid_load_state_dict):
-    # a refresh still in flight (weights.overlap) must not write the partitions being saved or loaded.
-    @functools.wraps(orig)
-    def checkpoint_event_prologue(self):
-        st = _active(self)
-        if st is not None:
-            st.wait()
-        return orig(self)
-
-    return checkpoint_event_prologue
 
 
 def _checkpoint_event_epilogue(orig):
