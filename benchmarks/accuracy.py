@@ -12,6 +12,12 @@ against a real ZeRO-3 run).  Its rows have ``reference: "replay"`` and the topol
 
 Rows (merged into ``--results``, default OUT/accuracy.json): config, variant, replica, topology, ranks, seed,
 schedule, steps, train_loss (mean of the last 50 steps), heldout_loss (final evaluation), ms_per_step, commit.
+
+A run longer than one call of a GPU machine: ``--checkpoint-root DIR --stop-after N`` stops every run after step N
+with a checkpoint in DIR/<run name> (row status ``stopped``); the same command again, with a larger or no
+``--stop-after``, goes on from there (the learning-rate schedule is always that of ``--steps``).  The finished
+run's row has every step's loss, ``resumed_at_step``, and ``earlier_parts`` (the row ids of the stopped parts,
+whose commands are in their run files); ``ms_per_step`` is that of the last part.
 The per-step losses go to ``--steps-file`` (default OUT/accuracy_steps.json, {row_id: [loss, ...]}).
 """
 
@@ -46,6 +52,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3000.0, help="seconds per run")
     p.add_argument("--deadline", type=float, default=None, help="seconds for the whole call")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--checkpoint-root", default=None, metavar="DIR",
+                   help="one checkpoint folder per run under DIR (named by model, topology, config, seed, "
+                        "schedule); a run whose folder holds a checkpoint goes on from it")
+    p.add_argument("--stop-after", type=int, default=0, metavar="N",
+                   help="stop each run after step N with a checkpoint (needs --checkpoint-root); a later call with "
+                        "the same arguments and a larger or no --stop-after goes on: runs longer than one call")
 
 
 def _schedule_args(schedule: str, steps: int) -> List[str]:
@@ -54,7 +66,43 @@ def _schedule_args(schedule: str, steps: int) -> List[str]:
     return ["--warmup", str(max(1, steps // 20)), "--min-lr-ratio", "0.1"]
 
 
+_RESUME_KEYS = ("model", "steps", "lr", "micro_batch", "seq", "eval_batches", "train_arg")
+
+
+def _resume_args(ckpt: Path, args, row: dict) -> List[str]:
+    """train_gpt.py's checkpoint arguments for a run kept in ``ckpt`` across calls; refuses a folder left by
+    different arguments (``parts.json`` records them and every earlier part's row)."""
+    ckpt.mkdir(parents=True, exist_ok=True)
+    parts_file = ckpt / "parts.json"
+    parts = json.loads(parts_file.read_text()) if parts_file.is_file() else {"args": None, "parts": []}
+    mine = {k: getattr(args, k) for k in _RESUME_KEYS}
+    if parts["args"] is not None and parts["args"] != mine:
+        raise SystemExit(f"accuracy: {ckpt} holds a run of other arguments ({parts['args']}, now {mine}); "
+                         f"remove it or use another --checkpoint-root")
+    row["earlier_parts"] = [p["row_id"] for p in parts["parts"]]
+    parts["args"] = mine
+    parts["parts"].append({"row_id": row["row_id"], "commit": row["commit"], "command": None})
+    suite.write_json(parts_file, parts)
+    out = ["--checkpoint-dir", str(ckpt)]
+    if (ckpt / "latest").is_file():
+        out.append("--resume")
+    if args.stop_after:
+        out += ["--stop-after", str(args.stop_after)]
+    return out
+
+
+def _record_command(ckpt: Path, row: dict) -> None:
+    parts_file = ckpt / "parts.json"
+    parts = json.loads(parts_file.read_text())
+    parts["parts"][-1]["command"] = row["command"]
+    suite.write_json(parts_file, parts)
+
+
 def run(args) -> int:
+    if args.stop_after and not args.checkpoint_root:
+        raise SystemExit("accuracy: --stop-after needs --checkpoint-root")
+    if args.stop_after and args.stop_after >= args.steps:
+        raise SystemExit(f"accuracy: --stop-after must be below --steps ({args.steps}), got {args.stop_after}")
     cpu = args.cpu or not suite.on_gpu()
     specs = []
     for c in args.configs:
@@ -107,7 +155,8 @@ def run(args) -> int:
                         row.update(status="skipped", reason="the call's --deadline was reached")
                         rows.append(row)
                         continue
-                    log_json = work / f"{name}.json"
+                    ckpt = Path(args.checkpoint_root) / name if args.checkpoint_root else None
+                    log_json = ckpt / "log.json" if ckpt else work / f"{name}.json"
                     targs = ["--ds-config", str(v.path()), "--log-json", str(log_json), "--no-progress",
                              "--d-model", str(shape["d_model"]), "--layers", str(shape["layers"]),
                              "--heads", str(shape["heads"]), "--seq", str(args.seq),
@@ -123,30 +172,44 @@ def run(args) -> int:
                     if args.model == "tiny":
                         targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
                     targs += list(args.train_arg)
+                    if ckpt:
+                        targs += _resume_args(ckpt, args, row)
                     cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
                     row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
+                    if ckpt:
+                        _record_command(ckpt, row)
                     print(f"[accuracy] {name}", flush=True)
                     rc, wall = suite.run_process(cmd, env, work / f"{name}.log",
                                                  min(args.timeout, deadline.left() - 15))
                     row.update(rc=rc, wall_s=round(wall, 1))
-                    losses = []
+                    losses, final = [], {}
                     if log_json.is_file():
                         log = json.loads(log_json.read_text())
                         steps = log.get("steps", [])
                         final = log.get("final") or {}
                         losses = [s["loss"] for s in steps]
                         row["replica"] = log.get("meta", {}).get("sdp4bit_replica")
-                        if steps:
-                            tail = losses[-min(50, len(losses)):]
-                            row["train_loss"] = sum(tail) / len(tail)
-                            row["ms_per_step"] = suite.median([s["ms"] for s in steps[1:] or steps])
-                        row["heldout_loss"] = final.get("heldout_loss")
+                        row["resumed_at_step"] = log.get("meta", {}).get("start_step") or None
+                        part = [s for s in steps if s["step"] > (row["resumed_at_step"] or 0)]
+                        if part:  # this call's steps (the first of a fresh start is the slow one)
+                            row["ms_per_step"] = suite.median([s["ms"] for s in part[1:] or part])
                         row["steps_done"] = len(steps)
                     ok = rc == 0 and row.get("steps_done") == args.steps
-                    row["status"] = "ok" if ok else ("timeout" if rc == "timeout" else "failed")
-                    if not ok:
+                    stopped = (rc == 0 and bool(args.stop_after) and final.get("stopped_after") == args.stop_after
+                               and row.get("steps_done") == args.stop_after)
+                    if row.get("steps_done") == args.steps:  # complete (a teardown past the timeout too)
+                        tail = losses[-min(50, len(losses)):]
+                        row["train_loss"] = sum(tail) / len(tail)
+                        row["heldout_loss"] = final.get("heldout_loss")
+                    row["status"] = ("ok" if ok else "stopped" if stopped
+                                     else "timeout" if rc == "timeout" else "failed")
+                    if stopped:
+                        row["reason"] = (f"--stop-after {args.stop_after}: checkpoint in {ckpt}, the next call "
+                                         f"goes on")
+                        losses = []  # the finished run's row carries every step
+                    elif not ok:
                         row["error_tail"] = suite.log_tail(work / f"{name}.log")
-                    if replay and ok:
+                    if replay and (ok or stopped):
                         done_replay.add((schedule, seed, world))
                     rows.append(row)
                     print(f"[accuracy] {name}: {row['status']}, train loss {row.get('train_loss')}, "
@@ -159,4 +222,4 @@ def run(args) -> int:
     suite.merge_rows(results, rows)
     suite.pack_logs(work, out / f"{run_id}_logs.tar.gz")
     print(f"[accuracy] results: {res_file}; rows merged into {results}, losses into {steps_file}", flush=True)
-    return 0 if all(r.get("status") in ("ok", "skipped") for r in rows) else 1
+    return 0 if all(r.get("status") in ("ok", "skipped", "stopped") for r in rows) else 1

@@ -158,6 +158,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--checkpoint-dir", default=None)
     c.add_argument("--save-every", type=int, default=0, help="checkpoint interval in steps (0: only at end)")
     c.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's latest checkpoint")
+    c.add_argument("--stop-after", type=int, default=0, metavar="N",
+                   help="stop after step N with a checkpoint, the schedule still that of --steps (0: run to --steps); "
+                        "a later --resume goes on from there")
     p.add_argument("--one-gpu-per-rank", action="store_true",
                    help="each rank sees only its own GPU and counts as its own node (see the code)")
     p.add_argument("--allow-no-sdp4bit-evidence", action="store_true",
@@ -168,7 +171,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("d_model", "layers", "heads", "seq", "micro_batch", "grad_accum", "steps", "replay_ranks"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    for name in ("eval_every", "eval_batches", "save_every"):
+    for name in ("eval_every", "eval_batches", "save_every", "stop_after"):
         if getattr(a, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     if a.log_flush < 1:
@@ -185,8 +188,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.vocab = DEFAULT_RANDOM_VOCAB if a.random_tokens else 256
     if a.data_seed is None:
         a.data_seed = a.seed
-    if (a.resume or a.save_every) and not a.checkpoint_dir:
-        p.error("--resume and --save-every need --checkpoint-dir")
+    if (a.resume or a.save_every or a.stop_after) and not a.checkpoint_dir:
+        p.error("--resume, --save-every and --stop-after need --checkpoint-dir")
+    if a.stop_after >= a.steps:
+        p.error(f"--stop-after must be below --steps ({a.steps}), got {a.stop_after}")
     if a.d_model % a.heads:
         p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
     return a
@@ -481,7 +486,11 @@ def main(argv=None) -> dict:
     if args.eval_every and start_step == 0:
         run_eval(0, pbar)
 
-    for step in range(start_step, args.steps):
+    if args.stop_after and args.stop_after <= start_step:
+        raise SystemExit(f"train_gpt.py: --stop-after {args.stop_after} is not after the step the checkpoint "
+                         f"resumed at ({start_step})")
+    end_step = args.stop_after or args.steps
+    for step in range(start_step, end_step):
         lr = lr_at(step, args)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
@@ -518,11 +527,21 @@ def main(argv=None) -> dict:
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done != args.steps:
             run_eval(done, pbar)
-        if args.checkpoint_dir and args.save_every and done % args.save_every == 0 and done != args.steps:
+        if args.checkpoint_dir and args.save_every and done % args.save_every == 0 and done != end_step:
             save(done)
         if done % args.log_flush == 0:
             log.write()
     pbar.close()
+
+    if end_step < args.steps:  # --stop-after: a checkpoint to go on from, no final evaluation
+        save(end_step)
+        log.doc["final"] = {"stopped_after": end_step, "steps": args.steps,
+                            "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        log.write()
+        if rank == 0:
+            print(f"train_gpt.py: stopped after step {end_step} of {args.steps} (checkpoint in "
+                  f"{args.checkpoint_dir}; --resume goes on)", flush=True)
+        return log.doc["final"]
 
     heldout = run_eval(args.steps)
     if args.checkpoint_dir and start_step < args.steps:

@@ -114,6 +114,35 @@ def test_accuracy_replay_matches_real_zero3(tmp_path):
     assert abs(real["heldout_loss"] - replay["heldout_loss"]) / real["heldout_loss"] < 2e-3
 
 
+def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
+    """A run longer than one GPU call: --stop-after leaves a checkpoint, the same command goes on from it, and the
+    finished row's losses are those of the run done in one go (the schedule is that of --steps throughout)."""
+    common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x1", "--configs", "sdp4bit",
+              "--seeds", "2", "--schedules", "cosine", "--steps", "6", "--seq", "64", "--micro-batch", "2",
+              "--lr", "3e-3", "--eval-batches", "2"]
+    whole, split, ckpt = tmp_path / "whole", tmp_path / "split", tmp_path / "ckpt"
+    _suite(common + ["--out", str(whole)], tmp_path)
+    for stop in (["--stop-after", "2"], ["--stop-after", "4"], []):
+        _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt)] + stop, tmp_path)
+    (a,) = json.loads((whole / "accuracy.json").read_text())
+    rows = json.loads((split / "accuracy.json").read_text())
+    assert [r["status"] for r in rows] == ["stopped", "stopped", "ok"]
+    assert [r.get("resumed_at_step") for r in rows] == [None, 2, 4]
+    b = rows[-1]
+    assert b["earlier_parts"] == [r["row_id"] for r in rows[:2]] and b["steps_done"] == 6
+    assert "train_loss" not in rows[0] and "--stop-after 2" in rows[0]["command"]
+    la = json.loads((whole / "accuracy_steps.json").read_text())[a["row_id"]]
+    lb = json.loads((split / "accuracy_steps.json").read_text())
+    assert set(lb) == {b["row_id"]}  # the stopped parts add no curve of their own
+    assert lb[b["row_id"]] == pytest.approx(la, rel=1e-6)
+    assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
+    assert b["heldout_loss"] == pytest.approx(a["heldout_loss"], rel=1e-6)
+    # a folder left by other arguments is refused, naming it
+    other = [x if x != "3e-3" else "1e-3" for x in common]
+    with pytest.raises(AssertionError, match="holds a run of other arguments"):
+        _suite(other + ["--out", str(split), "--checkpoint-root", str(ckpt)], tmp_path)
+
+
 def test_refresh_layout_is_deepspeeds():
     """The layout-true refresh benchmark's pieces: DeepSpeed's partition of every GPT parameter, as the engine's
     replica object plans them (meta tensors: no memory); 69% of the 1.3B GPT's elements at 4 ranks sit in pieces
