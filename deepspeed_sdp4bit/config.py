@@ -64,10 +64,10 @@ class WeightsConfig(_Strict):
     # Fraction of one accelerator's memory the full bf16 replica (2 bytes per parameter) may take when
     # ``replica`` is omitted.  0.25 leaves three quarters for activations, master weights and optimizer state.
     full_replica_budget: float = Field(0.25, gt=0.0, le=1.0)
-    # Full replica: the step's refresh runs in this many pieces (fewer where a piece would hold less than 16
-    # quantization groups per rank), cut at module boundaries by parameter count in the order the model
-    # registers its modules; each piece is quantized, exchanged and applied on its own (its own quantization
-    # groups).  With ``overlap`` the pieces run on a side stream and a module's forward waits only for the
+    # The step's refresh runs in this many pieces (fewer where a piece would hold less than 16 quantization
+    # groups per rank), cut at module boundaries by parameter count in the order the model registers its
+    # modules; each piece is quantized, exchanged and applied on its own (its own quantization groups), so
+    # the exchange buffers hold one piece, not a whole sub-group.  Full replica, with ``overlap`` the pieces run on a side stream and a module's forward waits only for the
     # pieces holding the parameters below it (as FSDP2 prefetches), so the next forward starts before the whole
     # exchange has arrived; without it the refresh completes inside ``step()``.  Off by default: with 4 ranks
     # sharing one GPU over sockets it measured 0.95-1.26x the step time of the refresh inside step() (README's

@@ -562,7 +562,8 @@ class _Replica:
       good (never invalidated): local rank ``l`` keeps primary partitions ``l*N .. l*N+N-1`` of each parameter.
     * ``plans[k]``: {source rank: :class:`~deepspeed_sdp4bit.segments.SegmentPlan` of its pieces in
       ``flat[k]``}, checked once (the node refresh and every resync use them).
-    * ``runs`` (full level): the step's refresh in pieces.  Every parameter gets a *stage*: the model's modules
+    * ``runs``: the step's refresh in pieces (both levels: the exchange buffers hold one run, not a whole
+      sub-group).  Every parameter gets a *stage*: the model's modules
       in registration order, cut into ``weights.pieces`` stages of about equal parameter count at module
       boundaries (a parameter belongs to the first module that registers it).  A run is a range of a
       sub-group's flat partition (cut where the stage changes, at offsets that are multiples of ``ALIGN``, into
@@ -678,10 +679,9 @@ class _Replica:
         self.stage_of: Dict[int, int] = {}
         needed = self.weights.sources_needed()
         wcfg = state.cfg.weights
-        if self.level == "full":
-            # each run of a stage holds >= 16 quantization groups per rank: its own padding stays <= 1/16
-            self.stage_of = self.stages(module, self.params, wcfg.pieces,
-                                        16 * wcfg.group_size * self.topology.world_size)
+        # each run of a stage holds >= 16 quantization groups per rank: its own padding stays <= 1/16
+        self.stage_of = self.stages(module, self.params, wcfg.pieces,
+                                    16 * wcfg.group_size * self.topology.world_size)
         for k, items in enumerate(self.layout):
             if not items:
                 self.flat.append(None)
@@ -699,9 +699,11 @@ class _Replica:
                     self._views[id(p)] = view
                 else:
                     self._set_secondary(p, view)
-            if self.level == "full":
-                self._add_runs(k, items, geometry[0], buf, needed, 16 * wcfg.group_size)
+            self._add_runs(k, items, geometry[0], buf, needed, 16 * wcfg.group_size)
         self.runs.sort(key=lambda r: (r[0], r[1], r[2]))
+        self._runs_of: Dict[int, List[int]] = {}   # sub-group -> its runs' indices, in order
+        for i, r in enumerate(self.runs):
+            self._runs_of.setdefault(r[1], []).append(i)
         self.n_stages = 1 + max((r[0] for r in self.runs), default=0)
         self._dirty: set = set()
         dev = self.flat[0].device if self.flat and self.flat[0] is not None else None
@@ -804,15 +806,19 @@ class _Replica:
         p.ds_secondary_tensor = view
 
     def refresh(self, opt, k: int, step: int) -> None:
-        """After the optimizer step of sub-group ``k``: node level refreshes it now; full level marks it for
-        :meth:`flush` at the end of the step."""
+        """After the optimizer step of sub-group ``k``: node level refreshes it now, run by run (DeepSpeed's
+        gather of the persistent parameters at the end of the step reads the secondaries); full level marks it
+        for :meth:`flush` at the end of the step."""
         own = opt.fp16_partitioned_groups_flat[k]
         if not own.numel():
             return
         if self.level == "full":
             self._dirty.add(k)
-        else:
-            self.weights.refresh(opt.fp32_partitioned_groups_flat[k], own, self.plans[k], step=step, bucket_id=k)
+            return
+        master = opt.fp32_partitioned_groups_flat[k]
+        for i in self._runs_of.get(k, ()):
+            _, _, a, b, plans = self.runs[i]
+            self.weights.refresh(master[a:b], own[a:b], plans, step=step, bucket_id=i)
 
     def flush(self, opt, step: int) -> None:
         """Full level, end of the step: the runs of the refreshed sub-groups, in stage order (on the side stream

@@ -574,6 +574,22 @@ def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
         r["summary"] = e.sdp4bit_summary()
         res[f"overlap={overlap}"] = r
         del e
+    if kernel_backend == "torch":
+        # the node replica in pieces and in one: the exchange buffers hold one run, not the whole sub-group
+        # (one sub-group per parameter group, as DeepSpeed's default sub_group_size gives a GPT)
+        for pieces in (PIECES["pieces"], 1):
+            e = du.make_engine(du.base_config(sdp4bit=block(kernel_backend, weights={**PIECES, "pieces": pieces}),
+                                              zero_extra={"sub_group_size": 10 ** 9}))
+            rep = e.sdp4bit.replica
+            r = {"runs": [(s, k, a, b) for s, k, a, b, _ in rep.runs], "n_stages": rep.n_stages,
+                 "M": [f.numel() for f in e.optimizer.fp16_partitioned_groups_flat],
+                 "module_order": [rep.stage_of[id(p)] for p in e.module.parameters()],
+                 "streamed": rep._stream is not None, "hooks": len(rep._hooks)}
+            r["losses"] = du.train_steps(e, steps - 1, rank)
+            r["replicas"] = _cpu(_replica_report(e))
+            r["pool_bytes"] = e.sdp4bit.weights._pool.nbytes()
+            res[f"node pieces={pieces}"] = r
+            del e
     return res
 
 
@@ -596,6 +612,25 @@ def test_full_replica_in_pieces():
     assert r["summary"]["weights"]["compression"] > 1.8
     if not r["streamed"]:   # CPU: no side stream, the refresh completes inside step()
         assert r["hooks"] == 0 and r["waited_after_step"] == r["n_stages"] - 1
+
+
+def test_node_replica_in_pieces():
+    runs = family(_pieces_worker, STEPS, (True,))
+    r, one = runs[0][f"node pieces={PIECES['pieces']}"], runs[0]["node pieces=1"]
+    _check_pieces(r)
+    assert not r["streamed"] and r["hooks"] == 0        # the node replica is refreshed inside step()
+    assert len(one["runs"]) == len(one["M"]) < len(r["runs"])   # pieces 1: one run per sub-group
+    _check_node_replicas([x[f"node pieces={PIECES['pieces']}"] for x in runs], "replicas")
+    _check_node_replicas([x["node pieces=1"] for x in runs], "replicas")
+    _close(r["losses"], runs[0]["plain"][:STEPS - 1], 3e-2)
+    # the weight exchange's buffers (send row, inter and intra rows) are sized by the largest run
+    for x in runs:
+        a, b = x[f"node pieces={PIECES['pieces']}"], x["node pieces=1"]
+        longest = max(hi - lo for _, _, lo, hi in a["runs"])
+        assert longest < max(a["M"]), (longest, a["M"])
+        # (the same per-element cost: 4-bit payload and a scale per group, in the send, inter and intra rows)
+        assert a["pool_bytes"] <= b["pool_bytes"] * longest / max(b["M"]) * 1.05 + 256, (longest, a["M"],
+                                                                                        a["pool_bytes"], b["pool_bytes"])
 
 
 def _cuda_share_gpu():
