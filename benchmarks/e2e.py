@@ -69,6 +69,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD, e.g. 4x4 (default: NCCL's own)")
     p.add_argument("--link-rates-from", nargs="*", default=[str(suite.ONE_GPU / "linkrate.json")],
                    help="linkrate row files to take each rate's measured value from (besides OUT/linkrate.json)")
+    p.add_argument("--probe-link", action="store_true",
+                   help="measure the link inside this run: before the first config of each (rate, rank count), the "
+                            "linkrate collectives with this run's ranks and socket setting; the rows of that rate and "
+                            "rank count take their link_measured_gbps from it (rows in OUT/linkrate.json)")
+    p.add_argument("--probe-mb", type=float, default=64.0, help="MiB per rank and collective of --probe-link")
+    p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds per collective of --probe-link")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for train_gpt.py (repeat; e.g. --train-arg=--zero-init)")
 
@@ -153,6 +159,21 @@ def run(args) -> int:
     # the measured link rates do not change during the call: read once
     link_rows = suite.load_rows_from([out / "linkrate.json"] + [Path(x) for x in args.link_rates_from]) \
         if args.link_gbps else []
+    probes: Dict[tuple, Optional[dict]] = {}   # (rate, ranks) -> this run's all-gather linkrate row
+
+    def probe(gbps, world: int) -> Optional[dict]:
+        """--probe-link: this run's own measurement of the link at (rate, ranks), once."""
+        if (gbps, world) not in probes:
+            prow = link.measure_collectives(meta, work, cpu, world, [gbps], threads, nsocks, args.probe_mb,
+                                            args.probe_seconds, ["all_gather", "all_to_all"],
+                                            min(args.timeout, 180.0), deadline)
+            for r in prow:
+                r["probe_of"] = run_id
+            doc.setdefault("link_probes", []).extend(prow)
+            suite.merge_rows(out / "linkrate.json", prow)
+            ok = [r for r in prow if r.get("status") == "ok" and r.get("op") == "all_gather"]
+            probes[(gbps, world)] = ok[0] if ok else None
+        return probes[(gbps, world)]
 
     for gbps, model in ((g, m) for g in rates for m in args.models):  # every config once per link rate
         shape = suite.MODELS[model]
@@ -164,6 +185,9 @@ def run(args) -> int:
                 raise SystemExit(f"e2e: topology {topo} has {world} ranks but {n_gpus} GPU(s) x "
                                  f"--ranks-per-gpu {rpg}; pass --ranks-per-gpu {world} (or --share-gpu)")
             share = (not cpu) and rpg > 1
+            if args.probe_link and world > 1 and not (cpu or share):
+                raise SystemExit("e2e: --probe-link measures the sockets of share-GPU ranks (or gloo on CPU); "
+                                 f"topology {topo} runs one rank per GPU here")
             for v in variants:
                 slow = v.config in args.slow
                 warmup = args.warmup_slow if slow and args.warmup_slow is not None else args.warmup
@@ -211,6 +235,7 @@ def run(args) -> int:
                     suite.write_json(res_file, doc)
                     suite.merge_rows(results, [row])
                     continue
+                probed = probe(gbps, world) if args.probe_link and world > 1 else None
                 log_json = work / f"{name}.json"
                 targs = ["--ds-config", str(v.path()), "--log-json", str(log_json), "--no-progress",
                          "--d-model", str(shape["d_model"]), "--layers", str(shape["layers"]),
@@ -238,8 +263,12 @@ def run(args) -> int:
                 row.update(_summarize(log_json, warmup, v, world, gpn))
                 if gbps is not None:
                     row["link_stats"] = link.stats_summary(link.read_stats(stats_dir))
-                if args.link_gbps:
+                m = probed
+                if m is not None:
+                    row["link_probe"] = True
+                elif args.link_gbps:
                     m = link.measured_rate(row, link_rows)
+                if m is not None or args.link_gbps:
                     row.update(link_measured_gbps=m["measured_gbps"] if m else None,
                                link_measured_source=m["row_id"] if m else None)
                 if rc != 0 or row.get("status") != "ok":

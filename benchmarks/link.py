@@ -38,6 +38,11 @@ TCP (rate = bytes x 8 / the receiver's time from first to last byte); with ``--c
 per rank (rate = bytes each rank sends x 8 / median time per collective; benchmarks/link_collective.py), once
 unshaped (no shim) and once for all shaped rates in one process group (the rate set in place), per
 ``--nccl-sockets`` setting.  Rows go to ``OUT/linkrate.json``.
+
+``e2e --probe-link`` runs the same collectives (:func:`measure_collectives`) inside an e2e run, once per (rate,
+rank count) before its first config, so each row's ``link_measured_gbps`` comes from the same machine, rank
+count, socket setting and hour as its step time (machines of one kind differed by up to 1.5x in this mode, and
+8-rank rows had only 4-rank measurements to go by).
 """
 
 from __future__ import annotations
@@ -195,14 +200,15 @@ def settings_of(row: dict) -> tuple:
 
 def measured_rate(row: dict, link_rows: Sequence[dict]) -> Optional[dict]:
     """The newest ok ``linkrate`` collective row measured with ``row``'s link settings on its machine, preferring
-    the same number of ranks and all-gather; None when there is none (then the requested rate is all we know)."""
+    one of the same run (``e2e --probe-link``), then the same number of ranks and all-gather; None when there is
+    none (then the requested rate is all we know)."""
     cands = [r for r in link_rows if r.get("status") == "ok" and r.get("measured_gbps")
              and r.get("kind") in ("nccl", "gloo") and settings_of(r) == settings_of(row)
              and r.get("machine") == row.get("machine")]
     if not cands:
         return None
-    return max(cands, key=lambda r: (r.get("ranks") == row.get("ranks"), r.get("op") == "all_gather",
-                                     r.get("created", "")))
+    return max(cands, key=lambda r: (r.get("run_id") == row.get("run_id"), r.get("ranks") == row.get("ranks"),
+                                     r.get("op") == "all_gather", r.get("created", "")))
 
 
 # ------------------------------------------------------------------------------------------- plain TCP
@@ -351,6 +357,58 @@ def _row(meta: dict, gpu, **kw) -> dict:
                  "machine": suite.device_label(meta["machine"])}, **kw)
 
 
+def measure_collectives(meta: dict, work: Path, cpu: bool, ranks: int, group: Sequence[Optional[float]],
+                        threads: Optional[int], nsocks: Optional[int], mb: float, seconds: float,
+                        ops: Sequence[str], timeout: float, deadline: "suite.Deadline") -> List[dict]:
+    """Rows of one process group of ``ranks`` ranks (share-GPU NCCL ranks on one GPU; gloo on CPU) running
+    ``ops`` of ``mb`` MiB per rank at each rate of ``group`` (``[None]``: unshaped, no shim; else shaped rates,
+    the shim's rate set in place between them), with the NCCL socket setting ``threads`` x ``nsocks``."""
+    gpu = None if cpu else meta["machine"]["gpu_name"]
+    run_id = meta["run_id"]
+    name = (f"{'gloo' if cpu else 'nccl'}_{ranks}r_{'shaped' if list(group) != [None] else 'off'}_"
+            f"{f'{threads}x{nsocks}' if threads else 'default'}")
+    stats = work / f"{name}_stats"
+    log_json = work / f"{name}.json"
+    sargs = ["--out-json", str(log_json), "--mb", str(mb), "--seconds", str(seconds),
+             "--ops"] + list(ops) + (["--cpu"] if cpu else [])
+    if list(group) != [None]:
+        sargs += ["--rates"] + [repr(g) for g in group]
+    cmd, env = suite.launch_command(COLLECTIVE_SCRIPT, sargs, ranks, ranks, cpu)
+    env.update(knob_env(group[0], stats, threads, nsocks))
+    if deadline.left() < 45:
+        rc, wall, res = "skipped", 0.0, {}
+    else:
+        rc, wall = suite.run_process(cmd, env, work / f"{name}.log", min(timeout, deadline.left() - 10))
+        res = json.loads(log_json.read_text()) if log_json.is_file() else {}
+    shim = stats_summary(read_stats(stats))
+    rows = []
+    for gbps, op in ((g, o) for g in group for o in ops):
+        row = _row(meta, gpu, row_id=f"{run_id}/{name}_{label(gbps)}_{op}", kind="gloo" if cpu else "nccl",
+                   op=op, ranks=ranks, link_gbps=gbps, nccl_socket_nthreads=threads,
+                   nccl_nsocks_perthread=nsocks, ranks_per_device=None if cpu else ranks, rc=rc,
+                   wall_s=round(wall, 1), shim=shim,
+                   command=" ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
+        m = ((res.get("by_rate") or {}).get(str(gbps)) or {}).get(op)
+        if rc == "skipped":
+            row.update(status="skipped", reason="the call's --deadline was reached")
+        elif rc == 0 and m:
+            row.update(status="ok" if m["intact"] else "failed", **m)
+            if gbps is not None:
+                # the knob's own count must cover what the collectives sent: else they bypassed it
+                row["shim_saw_traffic"] = bool(shim) and shim["bytes_max"] >= res["bytes_sent_all_ops"]
+                if not row["shim_saw_traffic"]:
+                    row.update(status="failed", error="the shim paced fewer bytes than the collectives "
+                                                      "sent: this transport bypasses the knob")
+        else:
+            row.update(status="timeout" if rc == "timeout" else "failed",
+                       error_tail=suite.log_tail(work / f"{name}.log"))
+        print(f"[linkrate] {name} {label(gbps)} {op}: " + (
+            f"{row['measured_gbps']:.2f} Gb/s per rank" if row.get("status") == "ok" else row["status"]),
+            flush=True)
+        rows.append(row)
+    return rows
+
+
 def run(args) -> int:
     try:
         rates = [parse_gbps(g, "--gbps") for g in args.gbps]
@@ -404,45 +462,8 @@ def run(args) -> int:
         groups = ([[None]] if None in rates else []) + ([shaped] if shaped else [])
         for (threads, nsocks), ranks, group in ((s_, r_, g_) for s_ in sockets for r_ in args.ranks
                                                 for g_ in groups):
-            name = (f"{'gloo' if cpu else 'nccl'}_{ranks}r_{'shaped' if group != [None] else 'off'}_"
-                    f"{f'{threads}x{nsocks}' if threads else 'default'}")
-            stats = work / f"{name}_stats"
-            log_json = work / f"{name}.json"
-            sargs = ["--out-json", str(log_json), "--mb", str(args.mb), "--seconds", str(args.seconds),
-                     "--ops"] + list(args.ops) + (["--cpu"] if cpu else [])
-            if group != [None]:
-                sargs += ["--rates"] + [repr(g) for g in group]
-            cmd, env = suite.launch_command(COLLECTIVE_SCRIPT, sargs, ranks, ranks, cpu)
-            env.update(knob_env(group[0], stats, threads, nsocks))
-            if deadline.left() < 45:
-                rc, wall, res = "skipped", 0.0, {}
-            else:
-                rc, wall = suite.run_process(cmd, env, work / f"{name}.log", min(args.timeout, deadline.left() - 10))
-                res = json.loads(log_json.read_text()) if log_json.is_file() else {}
-            shim = stats_summary(read_stats(stats))
-            for gbps, op in ((g, o) for g in group for o in args.ops):
-                row = _row(meta, gpu, row_id=f"{run_id}/{name}_{label(gbps)}_{op}", kind="gloo" if cpu else "nccl",
-                           op=op, ranks=ranks, link_gbps=gbps, nccl_socket_nthreads=threads,
-                           nccl_nsocks_perthread=nsocks, ranks_per_device=None if cpu else ranks, rc=rc,
-                           wall_s=round(wall, 1), shim=shim,
-                           command=" ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
-                m = ((res.get("by_rate") or {}).get(str(gbps)) or {}).get(op)
-                if rc == "skipped":
-                    row.update(status="skipped", reason="the call's --deadline was reached")
-                elif rc == 0 and m:
-                    row.update(status="ok" if m["intact"] else "failed", **m)
-                    if gbps is not None:
-                        # the knob's own count must cover what the collectives sent: else they bypassed it
-                        row["shim_saw_traffic"] = bool(shim) and shim["bytes_max"] >= res["bytes_sent_all_ops"]
-                        if not row["shim_saw_traffic"]:
-                            row.update(status="failed", error="the shim paced fewer bytes than the collectives "
-                                                              "sent: this transport bypasses the knob")
-                else:
-                    row.update(status="timeout" if rc == "timeout" else "failed",
-                               error_tail=suite.log_tail(work / f"{name}.log"))
-                print(f"[linkrate] {name} {label(gbps)} {op}: " + (
-                    f"{row['measured_gbps']:.2f} Gb/s per rank" if row.get("status") == "ok" else row["status"]),
-                    flush=True)
+            for row in measure_collectives(meta, work, cpu, ranks, group, threads, nsocks, args.mb, args.seconds,
+                                           args.ops, args.timeout, deadline):
                 keep(row)
     suite.write_json(res_file, doc)
     suite.pack_logs(work, out / f"{run_id}_logs.tar.gz")

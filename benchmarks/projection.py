@@ -109,7 +109,7 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point]
         if not r.get("bound_ms") or not r.get("wire_bytes_total"):
             skipped.append(f"{r.get('row_id')}: no compute bound or bytes")
             continue
-        gbps, src = r.get("link_measured_gbps"), "measured"
+        gbps, src = r.get("link_measured_gbps"), "measured (same run)" if r.get("link_probe") else "measured"
         if not gbps:
             m = link.measured_rate(r, link_rows)
             gbps = m["measured_gbps"] if m else None

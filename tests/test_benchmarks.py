@@ -49,7 +49,9 @@ def test_e2e_and_report_on_cpu(tmp_path):
     _suite(common + ["--topologies", "1x1", "--configs", "zero3"], tmp_path)
     # the second under the bandwidth knob (benchmarks/link.py): its rows carry the rate and the shim's count
     _suite(common + ["--topologies", "1x2", "2x1", "--configs", "zero3", "--link-gbps", "5"], tmp_path)
-    _suite(common + ["--topologies", "2x1", "--configs", "sdp4bit:full", "sdp4bit:node"], tmp_path)
+    # the third measures its own link first (--probe-link): its rows take the rate from that measurement
+    _suite(common + ["--topologies", "2x1", "--configs", "sdp4bit:full", "sdp4bit:node", "--probe-link",
+                     "--probe-mb", "1", "--probe-seconds", "0.2"], tmp_path)
     rows = json.loads((out / "throughput.json").read_text())
     by = {(r["topology"], r["variant"]): r for r in rows}
     assert set(by) == {("1x1", "zero3"), ("2x1", "zero3"), ("1x2", "zero3"), ("2x1", "sdp4bit:full"),
@@ -60,6 +62,12 @@ def test_e2e_and_report_on_cpu(tmp_path):
     assert by[("2x1", "zero3")]["topology_independent"] and not by[("2x1", "sdp4bit:full")]["topology_independent"]
     assert a["link_gbps"] == b["link_gbps"] == 5.0 and a["row_id"].endswith("_5g") and a["link_stats"]["bytes_max"] > 0
     assert a["link_measured_gbps"] is None and by[("1x1", "zero3")]["link_gbps"] is None  # no linkrate row yet
+    full = by[("2x1", "sdp4bit:full")]
+    probes = {r["row_id"]: r for r in json.loads((out / "linkrate.json").read_text())}
+    p = probes[full["link_measured_source"]]
+    assert full["link_probe"] and p["probe_of"] == full["run_id"] and p["run_id"] == full["run_id"]
+    assert p["status"] == "ok" and p["ranks"] == 2 and p["op"] == "all_gather" and p["link_gbps"] is None
+    assert full["link_measured_gbps"] == p["measured_gbps"] > 0
     # a per-node replica with one rank per node is refused by the integration: recorded, not run
     assert by[("2x1", "sdp4bit:node")]["status"] == "skipped"
     runs = sorted(out.glob("e2e_*Z_*[0-9].json"))
