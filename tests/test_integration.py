@@ -548,6 +548,15 @@ def _cpu(x):
     return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
+def _pieces_report(e):
+    """The replica's runs, stages and stream of engine ``e``, as the pieces checks read them."""
+    rep = e.sdp4bit.replica
+    return {"runs": [(s, k, a, b) for s, k, a, b, _ in rep.runs], "n_stages": rep.n_stages,
+            "M": [f.numel() for f in e.optimizer.fp16_partitioned_groups_flat],
+            "module_order": [rep.stage_of[id(p)] for p in e.module.parameters()],
+            "streamed": rep._stream is not None, "hooks": len(rep._hooks)}
+
+
 def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
     du = _setup()
     res = {}
@@ -559,10 +568,7 @@ def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
         e = du.make_engine(du.base_config(sdp4bit=block(kernel_backend, replica="full",
                                                         weights={**PIECES, "overlap": overlap})))
         rep = e.sdp4bit.replica
-        r = {"runs": [(s, k, a, b) for s, k, a, b, _ in rep.runs], "n_stages": rep.n_stages,
-             "M": [f.numel() for f in e.optimizer.fp16_partitioned_groups_flat],
-             "module_order": [rep.stage_of[id(p)] for p in e.module.parameters()],
-             "streamed": rep._stream is not None, "hooks": len(rep._hooks)}
+        r = _pieces_report(e)
         r["losses"] = du.train_steps(e, steps - 1, rank)
         # one more step by hand: after step() the refresh may still be in flight; the forward waits for it
         loss = e(du.batch(steps - 1, 0, rank).to(e.device))
@@ -580,11 +586,7 @@ def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
         for pieces in (PIECES["pieces"], 1):
             e = du.make_engine(du.base_config(sdp4bit=block(kernel_backend, weights={**PIECES, "pieces": pieces}),
                                               zero_extra={"sub_group_size": 10 ** 9}))
-            rep = e.sdp4bit.replica
-            r = {"runs": [(s, k, a, b) for s, k, a, b, _ in rep.runs], "n_stages": rep.n_stages,
-                 "M": [f.numel() for f in e.optimizer.fp16_partitioned_groups_flat],
-                 "module_order": [rep.stage_of[id(p)] for p in e.module.parameters()],
-                 "streamed": rep._stream is not None, "hooks": len(rep._hooks)}
+            r = _pieces_report(e)
             r["losses"] = du.train_steps(e, steps - 1, rank)
             r["replicas"] = _cpu(_replica_report(e))
             r["pool_bytes"] = e.sdp4bit.weights._pool.nbytes()
