@@ -65,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link-gbps", nargs="+", default=None, metavar="R",
                    help="run every config under the bandwidth knob at each rate R (Gb/s of TCP egress per rank; "
                         "'off' = unshaped), see benchmarks/link.py")
+    p.add_argument("--link-delay-us", default=None, metavar="D",
+                   help="one-way delay in microseconds of every byte each rank sends over TCP (the knob's delay line, "
+                        "see benchmarks/link.py), for every config and rate of the call")
     p.add_argument("--nccl-sockets", default="default", metavar="TxS",
                    help="NCCL_SOCKET_NTHREADS x NCCL_NSOCKS_PERTHREAD, e.g. 4x4 (default: NCCL's own)")
     p.add_argument("--link-rates-from", nargs="*", default=[str(suite.ONE_GPU / "linkrate.json")],
@@ -130,11 +133,12 @@ def run(args) -> int:
     try:
         rates = [link.parse_gbps(g) for g in args.link_gbps] if args.link_gbps else [None]
         threads, nsocks = link.parse_sockets(args.nccl_sockets)
+        delay = link.parse_delay_us(args.link_delay_us)
     except ValueError as e:
         raise SystemExit(f"e2e: {e}")
-    if (args.link_gbps or threads) and not cpu and not args.share_gpu and args.ranks_per_gpu == 1 \
+    if (args.link_gbps or threads or delay) and not cpu and not args.share_gpu and args.ranks_per_gpu == 1 \
             and args.transport != "sockets":
-        raise SystemExit("e2e: --link-gbps / --nccl-sockets concern TCP traffic: use them with --share-gpu / "
+        raise SystemExit("e2e: --link-gbps / --link-delay-us / --nccl-sockets concern TCP traffic: use them with --share-gpu / "
                          "--ranks-per-gpu, --transport sockets, or on CPU (NVLink and shared memory bypass sockets)")
     # fewer ranks first (1x1 gives the bound), otherwise in the order given
     topos = sorted({t: suite.parse_topology(t) for t in args.topologies}.items(),
@@ -158,7 +162,7 @@ def run(args) -> int:
 
     # the measured link rates do not change during the call: read once
     link_rows = suite.load_rows_from([out / "linkrate.json"] + [Path(x) for x in args.link_rates_from]) \
-        if args.link_gbps else []
+        if args.link_gbps or delay else []
     probes: Dict[tuple, Optional[dict]] = {}   # (rate, ranks) -> this run's all-gather linkrate row
 
     def probe(gbps, world: int) -> Optional[dict]:
@@ -166,7 +170,7 @@ def run(args) -> int:
         if (gbps, world) not in probes:
             prow = link.measure_collectives(meta, work, cpu, world, [gbps], threads, nsocks, args.probe_mb,
                                             args.probe_seconds, ["all_gather", "all_to_all"],
-                                            min(args.timeout, 180.0), deadline)
+                                            min(args.timeout, 180.0), deadline, delay_us=delay)
             for r in prow:
                 r["probe_of"] = run_id
             doc.setdefault("link_probes", []).extend(prow)
@@ -192,8 +196,9 @@ def run(args) -> int:
                 slow = v.config in args.slow
                 warmup = args.warmup_slow if slow and args.warmup_slow is not None else args.warmup
                 steps = warmup + (args.timed_slow if slow else args.timed)
-                name = f"{model}_{topo}_{v.label.replace(':', '-')}" + (f"_{link.label(gbps)}g" if args.link_gbps
-                                                                        else "")
+                name = (f"{model}_{topo}_{v.label.replace(':', '-')}" + (f"_{link.label(gbps)}g" if args.link_gbps
+                                                                         else "")
+                        + (f"_d{delay:g}us" if delay else ""))
                 row = {"row_id": f"{run_id}/{name}", "run_id": run_id, "created": meta["created"],
                        "commit": meta["commit"], "gpu": gpu, "machine": suite.device_label(meta["machine"]),
                        "config": v.config, "variant": v.label, "replica_requested": v.replica,
@@ -203,7 +208,8 @@ def run(args) -> int:
                        "mode": ("cpu gloo" if cpu else ("share-GPU sockets" if share else
                                                         f"{n_gpus} GPUs, {args.transport}")) if world > 1
                        else ("cpu" if cpu else "1 GPU"),
-                       "link_gbps": gbps, "nccl_socket_nthreads": threads, "nccl_nsocks_perthread": nsocks}
+                       "link_gbps": gbps, "nccl_socket_nthreads": threads, "nccl_nsocks_perthread": nsocks,
+                       "link_delay_us": delay}
                 if v.replica == "node" and gpn == 1 and nodes > 1:
                     row.update(status="skipped", reason="replica node with one rank per node is the full "
                                                         "replica; the integration refuses it")
@@ -254,21 +260,21 @@ def run(args) -> int:
                 if not cpu and not share:
                     env.update(suite.TRANSPORTS[args.transport])
                 stats_dir = work / f"{name}_link"
-                env.update(link.knob_env(gbps, stats_dir, threads, nsocks))
+                env.update(link.knob_env(gbps, stats_dir, threads, nsocks, delay_us=delay))
                 row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
                 timeout = min(args.timeout, deadline.left() - 15)
                 print(f"[e2e] {name}: {steps} steps, timeout {timeout:.0f} s", flush=True)
                 rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
                 row.update(rc=rc, wall_s=round(wall, 1))
                 row.update(_summarize(log_json, warmup, v, world, gpn))
-                if gbps is not None:
+                if gbps is not None or delay:
                     row["link_stats"] = link.stats_summary(link.read_stats(stats_dir))
                 m = probed
                 if m is not None:
                     row["link_probe"] = True
-                elif args.link_gbps:
+                elif args.link_gbps or delay:
                     m = link.measured_rate(row, link_rows)
-                if m is not None or args.link_gbps:
+                if m is not None or args.link_gbps or delay:
                     row.update(link_measured_gbps=m["measured_gbps"] if m else None,
                                link_measured_source=m["row_id"] if m else None)
                 if rc != 0 or row.get("status") != "ok":

@@ -19,10 +19,20 @@ dynamic symbol table, so the interposed ``send`` is the one it calls.  Every run
 shim's own count of the bytes it paced (``SDP4BIT_LINK_STATS_DIR``), and ``linkrate`` checks that count
 against the bytes the collective had to send: if NCCL ever bypassed the shim, that row says so.
 
-Receiving is not limited (each process limits what it sends, like one direction of a full-duplex NIC).  No
-latency is added: a sender-side sleep per call would serialize NCCL's pipelined chunks (up to 8 in flight per
-channel) and measure an artefact, and an honest one-way delay needs a delay queue with its own thread plus
-close/poll interposition; not built.
+Receiving is not limited (each process limits what it sends, like one direction of a full-duplex NIC).
+
+Latency (``--link-delay-us`` / ``linkrate --delay-us``, ``SDP4BIT_LINK_DELAY_US``): a sender-side sleep per call
+would serialize NCCL's pipelined chunks (up to 8 in flight per channel) and measure an artefact, so the shim
+keeps a delay line instead: send() copies the bytes into the socket's queue stamped "due at now + delay" and
+returns; one writer thread per process hands them to the kernel in order when due (through the rate limit when
+one is set); close() and shutdown() first deliver what is queued.  Throughput is kept as long as the sender keeps
+rate x delay bytes in flight (NCCL: 8 steps of its chunk per channel).  ``linkrate`` adds a round-trip row per
+setting (one byte there and back, the echo not delayed: the delay once plus the loopback's own).  Measured on
+this project's 2-core CPU machine, ``linkrate --cpu --gbps off --delay-us off|1000 --mb 64``: round trip 13 / 1053
+us, a 64 MiB stream 21.7 / 17.1 Gb/s.  A
+qdisc (netem) on ``lo`` would be the kernel's way; netem is not in the kernel of the CPU machine (ENOENT) and was
+not tried on a GPU host.  The step-time model (benchmarks/projection.py) has no latency term: rows with a delay
+are left out of its fit and said so.
 
 Unset (``--link-gbps`` not given): no ``LD_PRELOAD`` at all.  ``--nccl-sockets TxS`` sets
 ``NCCL_SOCKET_NTHREADS=T NCCL_NSOCKS_PERTHREAD=S`` (NCCL allows 1-16 threads, T x S <= 64; ``default``: neither
@@ -67,6 +77,7 @@ from . import suite
 SHIM_SRC = Path(__file__).resolve().parent / "link_shim.c"
 COLLECTIVE_SCRIPT = Path(__file__).resolve().parent / "link_collective.py"
 GBPS_VAR, BURST_VAR, STATS_VAR = "SDP4BIT_LINK_GBPS", "SDP4BIT_LINK_BURST_KB", "SDP4BIT_LINK_STATS_DIR"
+DELAY_VAR = "SDP4BIT_LINK_DELAY_US"
 
 
 # ------------------------------------------------------------------------------------------- values
@@ -146,11 +157,26 @@ def build_shim() -> Path:
     return out
 
 
+def parse_delay_us(value, name: str = "--link-delay-us") -> Optional[float]:
+    """A one-way delay in microseconds (0 .. 1e7) or ``None`` for 0 / "off"; ValueError naming ``name``."""
+    if value is None or str(value).strip().lower() in ("off", "none", "0", "0.0"):
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}: {value!r} is not a delay in microseconds (0 .. 10000000, or 'off')") from None
+    if not math.isfinite(x) or not 0 <= x <= 1e7:
+        raise ValueError(f"{name}: {value!r} is not a delay in microseconds (0 .. 10000000, or 'off')")
+    return x or None
+
+
 def knob_env(gbps: Optional[float], stats_dir: Optional[Path] = None, threads: Optional[int] = None,
-             nsocks: Optional[int] = None, burst_kb: Optional[float] = None) -> Dict[str, str]:
+             nsocks: Optional[int] = None, burst_kb: Optional[float] = None,
+             delay_us: Optional[float] = None) -> Dict[str, str]:
     """Environment that puts a process (and its children) under the knob; ``{}`` when nothing is set.
 
-    ``gbps`` None: no shim at all (not preloaded).  ``threads`` / ``nsocks``: NCCL's socket settings.
+    ``gbps`` and ``delay_us`` None: no shim at all (not preloaded).  ``delay_us``: one-way delay of every byte
+    the process sends on TCP (the shim's delay line).  ``threads`` / ``nsocks``: NCCL's socket settings.
     """
     check_nccl_sockets(threads, nsocks)
     env: Dict[str, str] = {}
@@ -158,19 +184,24 @@ def knob_env(gbps: Optional[float], stats_dir: Optional[Path] = None, threads: O
         env["NCCL_SOCKET_NTHREADS"] = str(threads)
     if nsocks is not None:
         env["NCCL_NSOCKS_PERTHREAD"] = str(nsocks)
+    delay_us = parse_delay_us(delay_us, "delay_us")
+    if gbps is None and delay_us is None:
+        return env
+    pre = os.environ.get("LD_PRELOAD", "")
+    env["LD_PRELOAD"] = str(build_shim()) + (" " + pre if pre else "")
+    if delay_us is not None:
+        env[DELAY_VAR] = repr(float(delay_us))
+    if stats_dir is not None:
+        Path(stats_dir).mkdir(parents=True, exist_ok=True)
+        env[STATS_VAR] = str(stats_dir)
     if gbps is None:
         return env
     gbps = parse_gbps(gbps)
     if burst_kb is not None and not 1.0 <= float(burst_kb) <= 1048576.0:
         raise ValueError(f"{BURST_VAR} (burst_kb) must be 1 .. 1048576 KiB, got {burst_kb!r}")
-    pre = os.environ.get("LD_PRELOAD", "")
-    env["LD_PRELOAD"] = str(build_shim()) + (" " + pre if pre else "")
     env[GBPS_VAR] = repr(float(gbps))
     if burst_kb is not None:
         env[BURST_VAR] = repr(float(burst_kb))
-    if stats_dir is not None:
-        Path(stats_dir).mkdir(parents=True, exist_ok=True)
-        env[STATS_VAR] = str(stats_dir)
     return env
 
 
@@ -194,8 +225,14 @@ def stats_summary(stats: Sequence[dict]) -> Optional[dict]:
 
 
 def settings_of(row: dict) -> tuple:
-    """What a row's link was asked to be: (link_gbps, NCCL socket threads, sockets per thread)."""
-    return row.get("link_gbps"), row.get("nccl_socket_nthreads"), row.get("nccl_nsocks_perthread")
+    """What a row's link was asked to be: (link_gbps, NCCL socket threads, sockets per thread, one-way delay us)."""
+    return (row.get("link_gbps"), row.get("nccl_socket_nthreads"), row.get("nccl_nsocks_perthread"),
+            row.get("link_delay_us"))
+
+
+def unshaped(row: dict) -> bool:
+    """No knob setting at all (NCCL's default sockets, no rate, no delay)."""
+    return all(x is None for x in settings_of(row))
 
 
 def measured_rate(row: dict, link_rows: Sequence[dict]) -> Optional[dict]:
@@ -218,8 +255,10 @@ def _pattern(seed: int, n: int = 1 << 20) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def _sender(port: int, nbytes: int, seed: int, methods: str, verify: bool) -> None:
-    """Child side: stream ``nbytes`` of a seeded pattern, cycling through the interposed calls."""
+def _sender(port: int, nbytes, seed, methods: str, verify) -> None:
+    """Child side: stream ``nbytes`` of a seeded pattern, cycling through the interposed calls (arguments as
+    given on the command line: numbers and ``verify`` "1" / "0" as strings)."""
+    nbytes, seed, verify = int(nbytes), int(seed), verify in (True, "1")
     block = _pattern(seed)
     s = socket.create_connection(("127.0.0.1", port))
     h = hashlib.sha256()
@@ -262,14 +301,9 @@ def _sender(port: int, nbytes: int, seed: int, methods: str, verify: bool) -> No
                       "shim_loaded": any("link_shim" in ln for ln in open("/proc/self/maps"))}), flush=True)
 
 
-def tcp_transfer(env: Dict[str, str], nbytes: int, seed: int = 0, verify: bool = False, methods: str = "s",
-                 timeout: float = 600.0) -> dict:
-    """Stream ``nbytes`` from a child process (under ``env``) to this one over loopback TCP.
-
-    Returns ``{"bytes", "seconds" (first to last byte at the receiver), "gbps", "sender": the child's report,
-    "intact": sha256 equal (with ``verify``)}``.  ``methods``: the child's calls in turn, ``s`` send(all),
-    ``w`` write, ``v`` writev, ``m`` sendmsg.
-    """
+def _child_on_loopback(env: Dict[str, str], call: str, args: Sequence[str], serve, timeout: float, what: str) -> dict:
+    """Run ``benchmarks.link.<call>(port, *args)`` in a child process under ``env`` against a loopback listener
+    that ``serve(srv)`` (a thread of this process) handles; returns the child's last stdout line (JSON)."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -278,15 +312,35 @@ def tcp_transfer(env: Dict[str, str], nbytes: int, seed: int = 0, verify: bool =
     full_env.update(env)
     pp = full_env.get("PYTHONPATH", "")
     full_env["PYTHONPATH"] = str(suite.REPO) + (os.pathsep + pp if pp else "")
-    child = subprocess.Popen([sys.executable, "-c", "import sys; from benchmarks.link import _sender; "
-                              "_sender(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], "
-                              "sys.argv[5] == '1')",
-                              str(port), str(nbytes), str(seed), methods, "1" if verify else "0"],
-                             env=full_env, cwd=suite.REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code = f"import sys; from benchmarks.link import {call}; {call}(int(sys.argv[1]), *sys.argv[2:])"
+    child = subprocess.Popen([sys.executable, "-c", code, str(port)] + list(args), env=full_env, cwd=suite.REPO,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    srv.settimeout(timeout)
+    th = threading.Thread(target=serve, args=(srv,), daemon=True)
+    th.start()
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+    th.join(timeout=30)
+    srv.close()
+    if child.returncode != 0:
+        raise RuntimeError(f"the {what} exited with {child.returncode}: {err.strip()[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def tcp_transfer(env: Dict[str, str], nbytes: int, seed: int = 0, verify: bool = False, methods: str = "s",
+                 timeout: float = 600.0) -> dict:
+    """Stream ``nbytes`` from a child process (under ``env``) to this one over loopback TCP.
+
+    Returns ``{"bytes", "seconds" (first to last byte at the receiver), "gbps", "sender": the child's report,
+    "intact": sha256 equal (with ``verify``)}``.  ``methods``: the child's calls in turn, ``s`` send(all),
+    ``w`` write, ``v`` writev, ``m`` sendmsg.
+    """
     result: dict = {}
 
-    def receive():
-        srv.settimeout(timeout)
+    def receive(srv):
         try:
             conn, _ = srv.accept()
         except OSError as e:
@@ -310,18 +364,8 @@ def tcp_transfer(env: Dict[str, str], nbytes: int, seed: int = 0, verify: bool =
         result.update(bytes=got, seconds=(t1 - t0) if t0 is not None else 0.0,
                       sha256=h.hexdigest() if verify else None)
 
-    th = threading.Thread(target=receive, daemon=True)
-    th.start()
-    try:
-        out, err = child.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        out, err = child.communicate()
-    th.join(timeout=30)
-    srv.close()
-    if child.returncode != 0:
-        raise RuntimeError(f"the sender exited with {child.returncode}: {err.strip()[-2000:]}")
-    sender = json.loads(out.strip().splitlines()[-1])
+    sender = _child_on_loopback(env, "_sender", [str(nbytes), str(seed), methods, "1" if verify else "0"], receive,
+                                timeout, "sender")
     if "error" in result:
         raise RuntimeError(result["error"])
     result["sender"] = sender
@@ -329,6 +373,44 @@ def tcp_transfer(env: Dict[str, str], nbytes: int, seed: int = 0, verify: bool =
     if verify:
         result["intact"] = result["sha256"] == sender["sha256"] and result["bytes"] == sender["bytes"] == nbytes
     return result
+
+
+def _pinger(port: int, count) -> None:
+    """Child side of :func:`tcp_rtt`: ``count`` one-byte round trips, their times in microseconds."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    rtts = []
+    for _ in range(int(count)):
+        t0 = time.perf_counter()
+        s.sendall(b"p")
+        if s.recv(1) != b"p":
+            raise SystemExit("tcp_rtt: the echo broke off")
+        rtts.append((time.perf_counter() - t0) * 1e6)
+    s.close()
+    print(json.dumps({"rtt_us": rtts}), flush=True)
+
+
+def tcp_rtt(env: Dict[str, str], count: int = 20, timeout: float = 120.0) -> dict:
+    """Round trips of one byte between a child process (under ``env``, the side that sends first) and this one
+    (not under the knob: the echo adds no delay) over loopback TCP with TCP_NODELAY.  Returns ``{"rtt_us":
+    [...], "median_us", "min_us"}``: under a delay D the child's sends wait D, so a round trip takes D plus the
+    loopback's own."""
+
+    def echo(srv):
+        try:
+            conn, _ = srv.accept()
+        except OSError:
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            b = conn.recv(1)
+            if not b:
+                break
+            conn.sendall(b)
+        conn.close()
+
+    rtts = _child_on_loopback(env, "_pinger", [str(count)], echo, timeout, "pinger")["rtt_us"]
+    return {"rtt_us": rtts, "median_us": suite.median(rtts), "min_us": min(rtts)}
 
 
 # ------------------------------------------------------------------------------------------- the question
@@ -345,6 +427,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nccl-sockets", nargs="+", default=["default"], metavar="TxS",
                    help="NCCL socket settings to measure: THREADSxSOCKETS (NCCL_SOCKET_NTHREADS x "
                         "NCCL_NSOCKS_PERTHREAD, e.g. 4x4) or 'default' (NCCL's own)")
+    p.add_argument("--delay-us", default=None, metavar="D",
+                   help="one-way delay in microseconds added to every setting (the shim's delay line); each tcp "
+                        "setting also gets a round-trip row (op rtt)")
     p.add_argument("--cpu", action="store_true", help="collectives with gloo on CPU even on a GPU machine")
     p.add_argument("--out", required=True)
     p.add_argument("--results", default=None, help="JSON list the rows are merged into (default OUT/linkrate.json)")
@@ -359,14 +444,16 @@ def _row(meta: dict, gpu, **kw) -> dict:
 
 def measure_collectives(meta: dict, work: Path, cpu: bool, ranks: int, group: Sequence[Optional[float]],
                         threads: Optional[int], nsocks: Optional[int], mb: float, seconds: float,
-                        ops: Sequence[str], timeout: float, deadline: "suite.Deadline") -> List[dict]:
+                        ops: Sequence[str], timeout: float, deadline: "suite.Deadline",
+                        delay_us: Optional[float] = None) -> List[dict]:
     """Rows of one process group of ``ranks`` ranks (share-GPU NCCL ranks on one GPU; gloo on CPU) running
-    ``ops`` of ``mb`` MiB per rank at each rate of ``group`` (``[None]``: unshaped, no shim; else shaped rates,
-    the shim's rate set in place between them), with the NCCL socket setting ``threads`` x ``nsocks``."""
+    ``ops`` of ``mb`` MiB per rank at each rate of ``group`` (``[None]``: unshaped; else shaped rates, the
+    shim's rate set in place between them), with the NCCL socket setting ``threads`` x ``nsocks`` and a one-way
+    delay of ``delay_us`` (None: none)."""
     gpu = None if cpu else meta["machine"]["gpu_name"]
     run_id = meta["run_id"]
     name = (f"{'gloo' if cpu else 'nccl'}_{ranks}r_{'shaped' if list(group) != [None] else 'off'}_"
-            f"{f'{threads}x{nsocks}' if threads else 'default'}")
+            f"{f'{threads}x{nsocks}' if threads else 'default'}" + (f"_d{delay_us:g}us" if delay_us else ""))
     stats = work / f"{name}_stats"
     log_json = work / f"{name}.json"
     sargs = ["--out-json", str(log_json), "--mb", str(mb), "--seconds", str(seconds),
@@ -374,7 +461,7 @@ def measure_collectives(meta: dict, work: Path, cpu: bool, ranks: int, group: Se
     if list(group) != [None]:
         sargs += ["--rates"] + [repr(g) for g in group]
     cmd, env = suite.launch_command(COLLECTIVE_SCRIPT, sargs, ranks, ranks, cpu)
-    env.update(knob_env(group[0], stats, threads, nsocks))
+    env.update(knob_env(group[0], stats, threads, nsocks, delay_us=delay_us))
     if deadline.left() < 45:
         rc, wall, res = "skipped", 0.0, {}
     else:
@@ -385,7 +472,8 @@ def measure_collectives(meta: dict, work: Path, cpu: bool, ranks: int, group: Se
     for gbps, op in ((g, o) for g in group for o in ops):
         row = _row(meta, gpu, row_id=f"{run_id}/{name}_{label(gbps)}_{op}", kind="gloo" if cpu else "nccl",
                    op=op, ranks=ranks, link_gbps=gbps, nccl_socket_nthreads=threads,
-                   nccl_nsocks_perthread=nsocks, ranks_per_device=None if cpu else ranks, rc=rc,
+                   nccl_nsocks_perthread=nsocks, link_delay_us=delay_us,
+                   ranks_per_device=None if cpu else ranks, rc=rc,
                    wall_s=round(wall, 1), shim=shim,
                    command=" ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
         m = ((res.get("by_rate") or {}).get(str(gbps)) or {}).get(op)
@@ -393,7 +481,7 @@ def measure_collectives(meta: dict, work: Path, cpu: bool, ranks: int, group: Se
             row.update(status="skipped", reason="the call's --deadline was reached")
         elif rc == 0 and m:
             row.update(status="ok" if m["intact"] else "failed", **m)
-            if gbps is not None:
+            if gbps is not None or delay_us:
                 # the knob's own count must cover what the collectives sent: else they bypassed it
                 row["shim_saw_traffic"] = bool(shim) and shim["bytes_max"] >= res["bytes_sent_all_ops"]
                 if not row["shim_saw_traffic"]:
@@ -413,6 +501,7 @@ def run(args) -> int:
     try:
         rates = [parse_gbps(g, "--gbps") for g in args.gbps]
         sockets = [parse_sockets(s) for s in args.nccl_sockets]
+        delay = parse_delay_us(args.delay_us, "--delay-us")
     except ValueError as e:
         raise SystemExit(f"linkrate: {e}")
     cpu = args.cpu or not suite.on_gpu()
@@ -441,12 +530,13 @@ def run(args) -> int:
         if gbps is not None:
             nbytes = max(nbytes, min(int(gbps * 1e9 / 8 * args.seconds), 16 << 30))
         row = _row(meta, gpu, row_id=f"{run_id}/{name}", kind="tcp", op="stream", ranks=2, link_gbps=gbps,
-                   nccl_socket_nthreads=None, nccl_nsocks_perthread=None, bytes_per_rank=nbytes)
+                   nccl_socket_nthreads=None, nccl_nsocks_perthread=None, link_delay_us=delay,
+                   bytes_per_rank=nbytes)
         if deadline.left() < 20:
             keep(dict(row, status="skipped", reason="the call's --deadline was reached"))
             continue
         try:
-            r = tcp_transfer(knob_env(gbps, stats), nbytes, timeout=min(args.timeout, deadline.left()))
+            r = tcp_transfer(knob_env(gbps, stats, delay_us=delay), nbytes, timeout=min(args.timeout, deadline.left()))
             row.update(status="ok", seconds=r["seconds"], measured_gbps=r["gbps"],
                        shim=stats_summary(read_stats(stats)))
         except RuntimeError as e:
@@ -454,6 +544,16 @@ def run(args) -> int:
         print(f"[linkrate] {name}: " + (f"{row['measured_gbps']:.2f} Gb/s" if row.get("measured_gbps")
                                         else row["status"]), flush=True)
         keep(row)
+        rrow = _row(meta, gpu, row_id=f"{run_id}/{name}_rtt", kind="tcp", op="rtt", ranks=2, link_gbps=gbps,
+                    nccl_socket_nthreads=None, nccl_nsocks_perthread=None, link_delay_us=delay)
+        try:  # one-byte round trips, the echo side not under the knob: the delay once plus loopback's own
+            r = tcp_rtt(knob_env(gbps, delay_us=delay), 20, timeout=min(args.timeout, max(5.0, deadline.left())))
+            rrow.update(status="ok", rtt_us_median=r["median_us"], rtt_us_min=r["min_us"])
+        except RuntimeError as e:
+            rrow.update(status="failed", error=str(e)[-2000:])
+        print(f"[linkrate] {name} rtt: " + (f"{rrow['rtt_us_median']:.0f} us" if rrow.get("rtt_us_median")
+                                            else rrow["status"]), flush=True)
+        keep(rrow)
 
     if collective:
         # one process group for the unshaped setting, one for all shaped rates (the shim's rate is changed in
@@ -463,7 +563,7 @@ def run(args) -> int:
         for (threads, nsocks), ranks, group in ((s_, r_, g_) for s_ in sockets for r_ in args.ranks
                                                 for g_ in groups):
             for row in measure_collectives(meta, work, cpu, ranks, group, threads, nsocks, args.mb, args.seconds,
-                                           args.ops, args.timeout, deadline):
+                                           args.ops, args.timeout, deadline, delay_us=delay):
                 keep(row)
     suite.write_json(res_file, doc)
     suite.pack_logs(work, out / f"{run_id}_logs.tar.gz")

@@ -8,6 +8,8 @@
  *   SDP4BIT_LINK_BURST_KB  token-bucket depth in KiB (default: 1 ms at the rate, at least 64 KiB).
  *   SDP4BIT_LINK_STATS_DIR a folder: at exit the process writes link_<pid>.json there (bytes limited, calls,
  *                          time slept), so a run can show that its traffic went through the limit.
+ *   SDP4BIT_LINK_DELAY_US  one-way delay in microseconds added to every byte this process sends (a delay line,
+ *                          see below); with or without SDP4BIT_LINK_GBPS.  Unset, empty or 0: none.
  *
  * A bad value is a fatal error naming the variable (exit status 2), never a silent no-op.
  *
@@ -15,7 +17,17 @@
  * transport calls send() with MSG_DONTWAIT or blocking in misc/socket.cc; gloo and c10d's TCPStore use
  * send/write/writev).  Everything else (files, pipes, AF_UNIX, UDP, sendfile, splice, io_uring) passes
  * untouched.  Receiving is not limited: each process limits what it sends, like one direction of a
- * full-duplex NIC.  No latency is added (see benchmarks/link.py for why).
+ * full-duplex NIC.
+ *
+ * The delay line (SDP4BIT_LINK_DELAY_US): a send on a TCP socket copies the bytes into that socket's queue,
+ * stamped "due at now + delay", and returns at once (a sleep in the caller would serialize a transport's
+ * pipelined chunks: the delay must not cost throughput, only latency).  One writer thread per process hands
+ * each queue's bytes to the kernel in order once they are due (through the token bucket when a rate is set
+ * too).  A queue holds at most 64 MiB: beyond it a blocking send waits and a non-blocking one sends part or
+ * fails with EAGAIN, as a full kernel buffer does.  close() and shutdown() of a socket wait until its queue
+ * is sent; at exit the process waits for every queue (at most 10 s).  An error of a delayed send (the peer
+ * gone) is returned by the socket's next send.  Sockets the process gets through dup/dup2 of a queued socket
+ * are not tracked (none of NCCL, gloo or CPython's socket module does that to a socket with data in flight).
  *
  * The limit is a token bucket shared by all threads of the process (a mutex around a few arithmetic
  * operations; sleeping happens outside it).  A caller takes min(len, burst) bytes' worth of tokens; when the
@@ -31,11 +43,13 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -71,6 +85,37 @@ static uint64_t st_bytes, st_calls, st_sleeps, st_sleep_ns, st_refund;
 static int64_t st_first_ns, st_last_ns;
 static char stats_dir[PATH_MAX];
 
+/* the delay line */
+#define MAX_FD 65536
+#define QUEUE_CAP ((size_t)64 << 20)
+struct chunk {
+    struct chunk *next;
+    int64_t due_ns;
+    size_t len, off;  /* bytes [off, len) of data are still to be sent */
+    char data[];
+};
+struct fdq {
+    struct chunk *head, *tail;
+    size_t bytes;  /* queued, not yet handed to the kernel */
+    int err;       /* errno of a failed delayed send, returned by the next send */
+    int listed;    /* in pending[] */
+};
+typedef int (*close_fn)(int);
+typedef int (*shutdown_fn)(int, int);
+static close_fn real_close;
+static shutdown_fn real_shutdown;
+static int delay_on;
+static int64_t delay_ns;
+static struct fdq *queues[MAX_FD];
+static int pending[MAX_FD];     /* fds whose queue is not empty */
+static int n_pending;
+static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t qwork = PTHREAD_COND_INITIALIZER;   /* the writer: new data */
+static pthread_cond_t qdone = PTHREAD_COND_INITIALIZER;   /* senders and close(): room, or a queue drained */
+static int writer_started;
+static int wake_fd[2] = {-1, -1};  /* senders write a byte to wake the writer out of ppoll */
+static uint64_t st_delayed_bytes, st_max_queued;
+
 /* ------------------------------------------------------------------------------------------ set-up */
 
 static int64_t now_ns(void) {
@@ -99,6 +144,15 @@ static double parse_positive(const char *var, const char *val, int allow_zero) {
 }
 
 static void child_after_fork(void) {
+    /* the parent's queued bytes are the parent's to send (its writer thread did not fork) */
+    pthread_mutex_init(&qlock, NULL);
+    pthread_cond_init(&qwork, NULL);
+    pthread_cond_init(&qdone, NULL);
+    memset(queues, 0, sizeof queues);
+    n_pending = 0;
+    writer_started = 0;
+    wake_fd[0] = wake_fd[1] = -1;
+    st_delayed_bytes = st_max_queued = 0;
     pthread_mutex_init(&lock, NULL);
     tokens = burst;
     last_ns = now_ns();
@@ -112,22 +166,34 @@ __attribute__((constructor)) static void shim_init(void) {
     real_sendmsg = (sendmsg_fn)dlsym(RTLD_NEXT, "sendmsg");
     real_write = (write_fn)dlsym(RTLD_NEXT, "write");
     real_writev = (writev_fn)dlsym(RTLD_NEXT, "writev");
-    if (!real_send || !real_sendto || !real_sendmsg || !real_write || !real_writev)
-        die("LD_PRELOAD", "link_shim.so", "libc's send/sendto/sendmsg/write/writev not found by dlsym");
-    const char *g = getenv("SDP4BIT_LINK_GBPS");
-    if (!g || !*g) return;
-    gbps = parse_positive("SDP4BIT_LINK_GBPS", g, 0);
-    rate = gbps * 1e9 / 8.0;
-    burst = rate * 1e-3;
-    if (burst < 65536.0) burst = 65536.0;
-    const char *b = getenv("SDP4BIT_LINK_BURST_KB");
-    if (b && *b) {
-        double kb = parse_positive("SDP4BIT_LINK_BURST_KB", b, 0);
-        /* a burst under 1 KiB would pace 0-byte chunks (no progress); over 1 GiB it is no limit */
-        if (kb < 1.0 || kb > 1048576.0) die("SDP4BIT_LINK_BURST_KB", b, "expected 1 .. 1048576 (KiB)");
-        burst = kb * 1024.0;
-        burst_given = 1;
+    real_close = (close_fn)dlsym(RTLD_NEXT, "close");
+    real_shutdown = (shutdown_fn)dlsym(RTLD_NEXT, "shutdown");
+    if (!real_send || !real_sendto || !real_sendmsg || !real_write || !real_writev || !real_close || !real_shutdown)
+        die("LD_PRELOAD", "link_shim.so", "libc's send/sendto/sendmsg/write/writev/close/shutdown not found by dlsym");
+    const char *dl = getenv("SDP4BIT_LINK_DELAY_US");
+    if (dl && *dl) {
+        double us = parse_positive("SDP4BIT_LINK_DELAY_US", dl, 1);
+        if (us > 10e6) die("SDP4BIT_LINK_DELAY_US", dl, "expected 0 .. 10000000 (microseconds)");
+        delay_ns = (int64_t)(us * 1e3);
+        delay_on = delay_ns > 0;
     }
+    const char *g = getenv("SDP4BIT_LINK_GBPS");
+    if (g && *g) {
+        gbps = parse_positive("SDP4BIT_LINK_GBPS", g, 0);
+        rate = gbps * 1e9 / 8.0;
+        burst = rate * 1e-3;
+        if (burst < 65536.0) burst = 65536.0;
+        const char *b = getenv("SDP4BIT_LINK_BURST_KB");
+        if (b && *b) {
+            double kb = parse_positive("SDP4BIT_LINK_BURST_KB", b, 0);
+            /* a burst under 1 KiB would pace 0-byte chunks (no progress); over 1 GiB it is no limit */
+            if (kb < 1.0 || kb > 1048576.0) die("SDP4BIT_LINK_BURST_KB", b, "expected 1 .. 1048576 (KiB)");
+            burst = kb * 1024.0;
+            burst_given = 1;
+        }
+        active = 1;
+    }
+    if (!active && !delay_on) return;
     const char *d = getenv("SDP4BIT_LINK_STATS_DIR");
     if (d && *d) {
         struct stat sb;
@@ -137,19 +203,23 @@ __attribute__((constructor)) static void shim_init(void) {
     tokens = burst;
     last_ns = now_ns();
     pthread_atfork(NULL, NULL, child_after_fork);
-    active = 1;
 }
 
+static void drain_all(int64_t timeout_ns);
+
 __attribute__((destructor)) static void shim_fini(void) {
-    if (!active || !stats_dir[0]) return;
+    if (delay_on) drain_all(10000000000LL);
+    if ((!active && !delay_on) || !stats_dir[0]) return;
     char path[PATH_MAX + 64], buf[1024];
     snprintf(path, sizeof path, "%s/link_%d.json", stats_dir, (int)getpid());
     int n = snprintf(buf, sizeof buf,
                      "{\"pid\": %d, \"gbps\": %.6g, \"burst_bytes\": %.0f, \"bytes\": %llu, \"calls\": %llu, "
-                     "\"sleeps\": %llu, \"sleep_s\": %.6f, \"refunded_bytes\": %llu, \"active_s\": %.6f}\n",
+                     "\"sleeps\": %llu, \"sleep_s\": %.6f, \"refunded_bytes\": %llu, \"active_s\": %.6f, "
+                     "\"delay_us\": %.3f, \"delayed_bytes\": %llu, \"max_queued_bytes\": %llu}\n",
                      (int)getpid(), gbps, burst, (unsigned long long)st_bytes, (unsigned long long)st_calls,
                      (unsigned long long)st_sleeps, st_sleep_ns / 1e9, (unsigned long long)st_refund,
-                     st_last_ns > st_first_ns ? (st_last_ns - st_first_ns) / 1e9 : 0.0);
+                     st_last_ns > st_first_ns ? (st_last_ns - st_first_ns) / 1e9 : 0.0, delay_ns / 1e3,
+                     (unsigned long long)st_delayed_bytes, (unsigned long long)st_max_queued);
     FILE *f = fopen(path, "w");
     if (f) {
         fwrite(buf, 1, (size_t)n, f);
@@ -172,6 +242,9 @@ int sdp4bit_link_set_gbps(double g) {
     pthread_mutex_unlock(&lock);
     return 0;
 }
+
+/* Exported for tests: the configured one-way delay in microseconds, 0 when none. */
+double sdp4bit_link_delay_us(void) { return delay_on ? delay_ns / 1e3 : 0.0; }
 
 /* Bytes limited so far by this process. */
 unsigned long long sdp4bit_link_bytes(void) { return __atomic_load_n(&st_bytes, __ATOMIC_RELAXED); }
@@ -219,6 +292,15 @@ static void take(size_t n) {
     }
 }
 
+static void count_sent(size_t done) {
+    int64_t t = now_ns();
+    __atomic_add_fetch(&st_bytes, done, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&st_calls, 1, __ATOMIC_RELAXED);
+    int64_t z = 0;
+    __atomic_compare_exchange_n(&st_first_ns, &z, t, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    __atomic_store_n(&st_last_ns, t, __ATOMIC_RELAXED);
+}
+
 static void settle(size_t reserved, ssize_t sent) {
     size_t done = sent > 0 ? (size_t)sent : 0;
     if (done < reserved) {
@@ -227,14 +309,7 @@ static void settle(size_t reserved, ssize_t sent) {
         pthread_mutex_unlock(&lock);
         __atomic_add_fetch(&st_refund, reserved - done, __ATOMIC_RELAXED);
     }
-    if (done) {
-        int64_t t = now_ns();
-        __atomic_add_fetch(&st_bytes, done, __ATOMIC_RELAXED);
-        __atomic_add_fetch(&st_calls, 1, __ATOMIC_RELAXED);
-        int64_t z = 0;
-        __atomic_compare_exchange_n(&st_first_ns, &z, t, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
-        __atomic_store_n(&st_last_ns, t, __ATOMIC_RELAXED);
-    }
+    if (done) count_sent(done);
 }
 
 static size_t chunk_of(size_t left) { return left < (size_t)burst ? left : (size_t)burst; }
@@ -316,29 +391,303 @@ static ssize_t paced_vec(int fd, const struct iovec *iov, int cnt, const struct 
     return paced(len, nonblocking(fd, msg ? flags : 0), vec_chunk, &c);
 }
 
+/* ------------------------------------------------------------------------------------------ the delay line */
+
+static void unlist(int fd) {  /* under qlock */
+    for (int i = 0; i < n_pending; i++)
+        if (pending[i] == fd) {
+            pending[i] = pending[--n_pending];
+            break;
+        }
+    queues[fd]->listed = 0;
+}
+
+static void drop_chunks(struct fdq *q) {  /* under qlock */
+    while (q->head) {
+        struct chunk *c = q->head;
+        q->head = c->next;
+        free(c);
+    }
+    q->tail = NULL;
+    q->bytes = 0;
+}
+
+/* Hand fd's due bytes to the kernel (non-blocking, through the bucket when a rate is set).  Returns 1 when the
+ * kernel would block (the socket's buffer is full), else 0. */
+static int send_due(int fd) {
+    for (;;) {
+        pthread_mutex_lock(&qlock);
+        struct fdq *q = queues[fd];
+        struct chunk *c = q ? q->head : NULL;
+        if (!c || c->due_ns > now_ns()) {
+            if (q && !q->head && q->listed) unlist(fd);
+            pthread_mutex_unlock(&qlock);
+            return 0;
+        }
+        size_t n = c->len - c->off;
+        pthread_mutex_unlock(&qlock);
+        /* only this thread takes chunks off a queue, and close() waits until the queue is empty: c stays valid */
+        if (active && n > (size_t)burst) n = (size_t)burst;
+        if (active) take(n);
+        ssize_t r = real_send(fd, c->data + c->off, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+        int e = errno;
+        if (active) settle(n, r);
+        else if (r > 0) count_sent((size_t)r);
+        pthread_mutex_lock(&qlock);
+        if (r > 0) {
+            c->off += (size_t)r;
+            q->bytes -= (size_t)r;
+            st_delayed_bytes += (uint64_t)r;
+            if (c->off == c->len) {
+                q->head = c->next;
+                if (!q->head) q->tail = NULL;
+                free(c);
+            }
+        } else if (r < 0 && (e == EAGAIN || e == EWOULDBLOCK || e == EINTR)) {
+            pthread_mutex_unlock(&qlock);
+            return e != EINTR;
+        } else {  /* the connection is broken: the next send on fd reports it */
+            q->err = r < 0 ? e : EPIPE;
+            drop_chunks(q);
+        }
+        pthread_cond_broadcast(&qdone);
+        int full = r >= 0 && (size_t)r < n;
+        pthread_mutex_unlock(&qlock);
+        if (full) return 1;
+    }
+}
+
+static void *writer_main(void *arg) {
+    (void)arg;
+    prctl(PR_SET_TIMERSLACK, 1000UL);  /* wake within ~1 us of a chunk's due time, not the default 50 us */
+    struct pollfd pfd[1 + 1024];
+    int fds[1024];
+    for (;;) {
+        int n = 0;
+        int64_t next = -1, t = now_ns();
+        pthread_mutex_lock(&qlock);
+        for (int i = 0; i < n_pending && n < 1024; i++) {
+            struct chunk *c = queues[pending[i]]->head;
+            if (!c) continue;
+            if (c->due_ns <= t) fds[n++] = pending[i];
+            else if (next < 0 || c->due_ns < next) next = c->due_ns;
+        }
+        pthread_mutex_unlock(&qlock);
+        int np = 1;
+        pfd[0].fd = wake_fd[0];
+        pfd[0].events = POLLIN;
+        for (int i = 0; i < n; i++)
+            if (send_due(fds[i])) {  /* its buffer is full: wait until it can take more */
+                pfd[np].fd = fds[i];
+                pfd[np++].events = POLLOUT;
+            }
+        if (n > np - 1) continue;  /* some queue sent all it had due: look again at once */
+        struct timespec ts, *tp = NULL;
+        if (next >= 0) {
+            int64_t w = next - now_ns();
+            if (w < 0) w = 0;
+            ts.tv_sec = (time_t)(w / 1000000000LL);
+            ts.tv_nsec = (long)(w % 1000000000LL);
+            tp = &ts;
+        }
+        if (ppoll(pfd, (nfds_t)np, tp, NULL) > 0 && (pfd[0].revents & POLLIN)) {
+            char buf[256];
+            while (read(wake_fd[0], buf, sizeof buf) > 0) {
+            }
+        }
+    }
+    return NULL;
+}
+
+static void wake_writer(void) {
+    char b = 1;
+    if (wake_fd[1] >= 0) (void)real_write(wake_fd[1], &b, 1);
+}
+
+static void start_writer(void) {  /* under qlock */
+    if (writer_started) return;
+    if (pipe2(wake_fd, O_NONBLOCK | O_CLOEXEC) != 0) die("SDP4BIT_LINK_DELAY_US", "", "pipe2 for the writer failed");
+    pthread_t t;
+    pthread_attr_t at;
+    pthread_attr_init(&at);
+    pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &at, writer_main, NULL) != 0) die("SDP4BIT_LINK_DELAY_US", "", "the writer thread failed to start");
+    pthread_attr_destroy(&at);
+    writer_started = 1;
+}
+
+/* Copy bytes [off, off + n) of the iovec list into dst. */
+static void gather(char *dst, const struct iovec *iov, int cnt, size_t off, size_t n) {
+    for (int i = 0; i < cnt && n > 0; i++) {
+        size_t l = iov[i].iov_len;
+        if (off >= l) {
+            off -= l;
+            continue;
+        }
+        size_t m = l - off < n ? l - off : n;
+        memcpy(dst, (const char *)iov[i].iov_base + off, m);
+        dst += m;
+        n -= m;
+        off = 0;
+    }
+}
+
+/* The delayed send of len bytes of (iov, cnt) on TCP socket fd: queued, due now + delay.  Returns the bytes
+ * queued (all of them on a blocking socket), or -1 with errno (EAGAIN: the queue is full; a delayed send's
+ * error). */
+static ssize_t delayed(int fd, const struct iovec *iov, int cnt, size_t len, int nb) {
+    pthread_mutex_lock(&qlock);
+    start_writer();
+    struct fdq *q = queues[fd];
+    if (!q) {
+        q = queues[fd] = calloc(1, sizeof *q);
+        if (!q) {
+            pthread_mutex_unlock(&qlock);
+            errno = ENOMEM;
+            return -1;
+        }
+    }
+    size_t total = 0;
+    while (total < len) {
+        if (q->err) {
+            int e = q->err;
+            q->err = 0;
+            pthread_mutex_unlock(&qlock);
+            if (total) return (ssize_t)total;
+            errno = e;
+            return -1;
+        }
+        size_t room = q->bytes < QUEUE_CAP ? QUEUE_CAP - q->bytes : 0;
+        if (room == 0) {
+            if (nb) break;
+            pthread_cond_wait(&qdone, &qlock);
+            continue;
+        }
+        size_t n = len - total < room ? len - total : room;
+        struct chunk *c = malloc(sizeof *c + n);
+        if (!c) {
+            if (total) break;
+            pthread_mutex_unlock(&qlock);
+            errno = ENOMEM;
+            return -1;
+        }
+        gather(c->data, iov, cnt, total, n);
+        c->next = NULL;
+        c->len = n;
+        c->off = 0;
+        c->due_ns = now_ns() + delay_ns;
+        if (q->tail) q->tail->next = c;
+        else q->head = c;
+        q->tail = c;
+        q->bytes += n;
+        total += n;
+        if (q->bytes > st_max_queued) st_max_queued = q->bytes;
+        if (!q->listed) {
+            pending[n_pending++] = fd;
+            q->listed = 1;
+        }
+        wake_writer();
+    }
+    pthread_mutex_unlock(&qlock);
+    if (total == 0) {
+        errno = EAGAIN;
+        return -1;
+    }
+    return (ssize_t)total;
+}
+
+/* Wait until fd's queue is sent (at most timeout_ns), then forget it (forget: the fd is being closed). */
+static void drain_fd(int fd, int forget, int64_t timeout_ns) {
+    if (fd < 0 || fd >= MAX_FD) return;
+    int64_t until = now_ns() + timeout_ns;
+    pthread_mutex_lock(&qlock);
+    struct fdq *q = queues[fd];
+    while (q && q->bytes && !q->err && now_ns() < until) {
+        pthread_mutex_unlock(&qlock);
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+        pthread_mutex_lock(&qlock);
+        q = queues[fd];
+    }
+    if (q && forget) {
+        if (q->listed) unlist(fd);
+        drop_chunks(q);
+        free(q);
+        queues[fd] = NULL;
+    }
+    pthread_mutex_unlock(&qlock);
+}
+
+static void drain_all(int64_t timeout_ns) {
+    int64_t until = now_ns() + timeout_ns;
+    for (;;) {
+        pthread_mutex_lock(&qlock);
+        int left = 0;
+        for (int i = 0; i < n_pending; i++) left |= queues[pending[i]]->bytes > 0 && !queues[pending[i]]->err;
+        pthread_mutex_unlock(&qlock);
+        if (!left || now_ns() >= until) return;
+        struct timespec ts = {0, 200000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* The delay line's entry for the interposed calls: 1 when fd's send must go through it. */
+static int delays(int fd) { return delay_on && fd >= 0 && fd < MAX_FD; }
+
+static ssize_t delayed_flat(int fd, const void *buf, size_t len, int flags, int kind) {
+    struct iovec v = {(void *)buf, len};
+    return delayed(fd, &v, 1, len, nonblocking(fd, kind == 2 ? 0 : flags));
+}
+
 /* ------------------------------------------------------------------------------------------ interposed */
 
 ssize_t send(int fd, const void *buf, size_t len, int flags) {
-    if (!active || len == 0 || !is_tcp(fd, 1)) return real_send(fd, buf, len, flags);
+    if ((!active && !delay_on) || len == 0 || !is_tcp(fd, 1)) return real_send(fd, buf, len, flags);
+    if (delays(fd)) return delayed_flat(fd, buf, len, flags, 0);
     return paced_flat(0, fd, (const char *)buf, len, flags, NULL, 0);
 }
 
 ssize_t sendto(int fd, const void *buf, size_t len, int flags, const struct sockaddr *to, socklen_t tolen) {
-    if (!active || len == 0 || !is_tcp(fd, 1)) return real_sendto(fd, buf, len, flags, to, tolen);
+    if ((!active && !delay_on) || len == 0 || !is_tcp(fd, 1)) return real_sendto(fd, buf, len, flags, to, tolen);
+    if (delays(fd)) return delayed_flat(fd, buf, len, flags, 1);  /* (a connected stream socket ignores to) */
     return paced_flat(1, fd, (const char *)buf, len, flags, to, tolen);
 }
 
 ssize_t write(int fd, const void *buf, size_t len) {
-    if (!active || len == 0 || !is_tcp(fd, 0)) return real_write(fd, buf, len);
+    if ((!active && !delay_on) || len == 0 || !is_tcp(fd, 0)) return real_write(fd, buf, len);
+    if (delays(fd)) return delayed_flat(fd, buf, len, 0, 2);
     return paced_flat(2, fd, (const char *)buf, len, 0, NULL, 0);
 }
 
 ssize_t sendmsg(int fd, const struct msghdr *msg, int flags) {
-    if (!active || !msg || !is_tcp(fd, 1)) return real_sendmsg(fd, msg, flags);
+    if ((!active && !delay_on) || !msg || !is_tcp(fd, 1)) return real_sendmsg(fd, msg, flags);
+    if (delays(fd)) {
+        size_t len = 0;
+        for (size_t i = 0; i < msg->msg_iovlen; i++) len += msg->msg_iov[i].iov_len;
+        if (!msg->msg_controllen && len)
+            return delayed(fd, msg->msg_iov, (int)msg->msg_iovlen, len, nonblocking(fd, flags));
+        drain_fd(fd, 0, 30000000000LL);  /* ancillary data goes straight out, after what is queued before it */
+        return real_sendmsg(fd, msg, flags);
+    }
     return paced_vec(fd, msg->msg_iov, (int)msg->msg_iovlen, msg, flags);
 }
 
 ssize_t writev(int fd, const struct iovec *iov, int cnt) {
-    if (!active || cnt <= 0 || !is_tcp(fd, 0)) return real_writev(fd, iov, cnt);
+    if ((!active && !delay_on) || cnt <= 0 || !is_tcp(fd, 0)) return real_writev(fd, iov, cnt);
+    if (delays(fd)) {
+        size_t len = 0;
+        for (int i = 0; i < cnt; i++) len += iov[i].iov_len;
+        return len ? delayed(fd, iov, cnt, len, nonblocking(fd, 0)) : real_writev(fd, iov, cnt);
+    }
     return paced_vec(fd, iov, cnt, NULL, 0);
+}
+
+int close(int fd) {
+    if (delays(fd)) drain_fd(fd, 1, 30000000000LL);  /* what was accepted reaches the peer before the FIN */
+    return real_close(fd);
+}
+
+int shutdown(int fd, int how) {
+    if (delays(fd) && how != SHUT_RD) drain_fd(fd, 0, 30000000000LL);
+    return real_shutdown(fd, how);
 }

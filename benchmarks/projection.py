@@ -109,6 +109,9 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point]
         if not r.get("bound_ms") or not r.get("wire_bytes_total"):
             skipped.append(f"{r.get('row_id')}: no compute bound or bytes")
             continue
+        if r.get("link_delay_us"):
+            skipped.append(f"{r.get('row_id')}: a delay of {r['link_delay_us']:g} us (the model has no latency term)")
+            continue
         gbps, src = r.get("link_measured_gbps"), "measured (same run)" if r.get("link_probe") else "measured"
         if not gbps:
             m = link.measured_rate(r, link_rows)

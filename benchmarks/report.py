@@ -65,7 +65,7 @@ def latest(rows: Sequence[dict]) -> Dict[Tuple[str, str, str], dict]:
     """The newest ok row per (model, topology, variant), of the rows without link settings."""
     out: Dict[Tuple[str, str, str], dict] = {}
     for r in _ok(rows):
-        if link.settings_of(r) != (None, None, None):
+        if not link.unshaped(r):
             continue
         k = _key(r)
         if k not in out or r.get("created", "") > out[k].get("created", ""):
@@ -347,20 +347,24 @@ def linkrate_table(link_rows: Sequence[dict]) -> Optional[str]:
     ok = [r for r in link_rows if r.get("status") in ("ok", "failed", "timeout")]
     if not ok:
         return None
-    lines = _header("kind", "op", "ranks", "requested Gb/s", "NCCL threads x socks", "measured Gb/s per rank",
-                    "shim bytes (busiest process)", "status", "machine", "commit")
+    lines = _header("kind", "op", "ranks", "requested Gb/s", "NCCL threads x socks", "delay us",
+                    "measured Gb/s per rank", "round trip us (median)", "shim bytes (busiest process)", "status",
+                    "machine", "commit")
     for r in sorted(ok, key=lambda r: (r.get("machine") or "", r.get("kind"), r.get("op"), r.get("ranks"),
                                        r.get("nccl_socket_nthreads") or 0, r.get("link_gbps") or 1e9)):
         shim = r.get("shim") or {}
         lines.append("| " + " | ".join([
             str(r.get("kind")), str(r.get("op")), str(r.get("ranks")), link.label(r.get("link_gbps")),
             f"{r.get('nccl_socket_nthreads') or 'default'} x {r.get('nccl_nsocks_perthread') or 'default'}",
-            _fmt(r.get("measured_gbps"), ".2f"), _fmt(shim.get("bytes_max"), ",d"), str(r.get("status")),
+            _fmt(r.get("link_delay_us"), "g"), _fmt(r.get("measured_gbps"), ".2f"), _fmt(r.get("rtt_us_median"), ".0f"),
+            _fmt(shim.get("bytes_max"), ",d"), str(r.get("status")),
             str(r.get("machine")), str(r.get("commit"))]) + " |")
     return ("\n".join(lines) + "\n\nmeasured: bytes each rank sends per call x 8 / the median time of a call "
             "(tcp: one stream between two processes, first to last byte at the receiver); the knob limits each "
             "process's TCP egress (benchmarks/link.py). shim bytes: the knob's own count, which must cover what "
-            "the collectives sent (else the row failed: the traffic bypassed the knob).\n")
+            "the collectives sent (else the row failed: the traffic bypassed the knob). delay: the knob's one-way "
+            "delay of every byte a process sends (its delay line); round trip: one byte there and back between a "
+            "process under the knob and one that is not (the delay once, plus the loopback's own).\n")
 
 
 def projection_md(res: dict, rows: Sequence[dict] = ()) -> str:

@@ -48,7 +48,8 @@ def test_e2e_and_report_on_cpu(tmp_path):
               "2", "--out", str(out), "--bound-from"]
     _suite(common + ["--topologies", "1x1", "--configs", "zero3"], tmp_path)
     # the second under the bandwidth knob (benchmarks/link.py): its rows carry the rate and the shim's count
-    _suite(common + ["--topologies", "1x2", "2x1", "--configs", "zero3", "--link-gbps", "5"], tmp_path)
+    _suite(common + ["--topologies", "1x2", "2x1", "--configs", "zero3", "--link-gbps", "5", "--link-delay-us", "200"],
+           tmp_path)
     # the third measures its own link first (--probe-link): its rows take the rate from that measurement
     _suite(common + ["--topologies", "2x1", "--configs", "sdp4bit:full", "sdp4bit:node", "--probe-link",
                      "--probe-mb", "1", "--probe-seconds", "0.2"], tmp_path)
@@ -60,7 +61,8 @@ def test_e2e_and_report_on_cpu(tmp_path):
     a, b = by[("1x2", "zero3")], by[("2x1", "zero3")]  # 1x2 runs first (fewer ranks first, then as given)
     assert b["reused_from"] == a["row_id"] and "reused_from" not in a and b["ms_per_step"] == a["ms_per_step"]
     assert by[("2x1", "zero3")]["topology_independent"] and not by[("2x1", "sdp4bit:full")]["topology_independent"]
-    assert a["link_gbps"] == b["link_gbps"] == 5.0 and a["row_id"].endswith("_5g") and a["link_stats"]["bytes_max"] > 0
+    assert a["link_gbps"] == b["link_gbps"] == 5.0 and a["row_id"].endswith("_5g_d200us")
+    assert a["link_delay_us"] == 200.0 and a["link_stats"]["bytes_max"] > 0
     assert a["link_measured_gbps"] is None and by[("1x1", "zero3")]["link_gbps"] is None  # no linkrate row yet
     full = by[("2x1", "sdp4bit:full")]
     probes = {r["row_id"]: r for r in json.loads((out / "linkrate.json").read_text())}

@@ -92,11 +92,65 @@ def test_unset_means_no_shim(tmp_path):
     assert link.read_stats(tmp_path / "s") == []
 
 
+CLOSE_CHILD = """
+import hashlib, socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+data = bytes(range(256)) * 4096 * 3   # 3 MiB
+s.sendall(data)
+s.close()                             # no shutdown first: close() alone must deliver what send() accepted
+print(hashlib.sha256(data).hexdigest())
+"""
+
+
+@needs_cc
+def test_delay_line_adds_latency_not_corruption(tmp_path):
+    """SDP4BIT_LINK_DELAY_US: every byte reaches the peer no sooner than the delay after send() took it, in
+    order and intact (alone and under a rate), and close() delivers what is still queued."""
+    import hashlib
+    import socket
+    import threading
+
+    none = link.tcp_rtt(link.knob_env(None), 10)
+    delayed = link.tcp_rtt(link.knob_env(None, delay_us=3000), 10)
+    assert none["min_us"] < 3000 <= delayed["min_us"]
+    assert delayed["median_us"] < 3000 + 200000   # (a writer stuck until some timeout would show here)
+    for gbps in (None, 3.0):
+        stats = tmp_path / f"st{gbps}"
+        env = link.knob_env(gbps, stats, delay_us=2000)
+        assert env[link.DELAY_VAR] == "2000.0" and (link.GBPS_VAR in env) == (gbps is not None)
+        nbytes = 5 * (1 << 20) + 777
+        r = link.tcp_transfer(env, nbytes, seed=3, verify=True, methods="swvm")
+        assert r["intact"] and r["bytes"] == nbytes
+        [st] = link.read_stats(stats)
+        assert st["delayed_bytes"] == st["bytes"] == nbytes and st["delay_us"] == 2000.0
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    got = hashlib.sha256()
+
+    def recv():
+        c, _ = srv.accept()
+        while True:
+            b = c.recv(1 << 16)
+            if not b:
+                break
+            got.update(b)
+
+    th = threading.Thread(target=recv)
+    th.start()
+    p = subprocess.run([sys.executable, "-c", CLOSE_CHILD, str(srv.getsockname()[1])], capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, **link.knob_env(None, delay_us=20000)))
+    th.join(timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == got.hexdigest(), p.stderr
+
+
 @needs_cc
 @pytest.mark.parametrize("var,value", [("SDP4BIT_LINK_GBPS", "fast"), ("SDP4BIT_LINK_GBPS", "-3"),
                                        ("SDP4BIT_LINK_GBPS", "0"), ("SDP4BIT_LINK_GBPS", "inf"),
                                        ("SDP4BIT_LINK_BURST_KB", "1e"), ("SDP4BIT_LINK_BURST_KB", "0.0001"),
-                                       ("SDP4BIT_LINK_BURST_KB", "1e7"), ("SDP4BIT_LINK_STATS_DIR", "/no/such")])
+                                       ("SDP4BIT_LINK_BURST_KB", "1e7"), ("SDP4BIT_LINK_STATS_DIR", "/no/such"),
+                                       ("SDP4BIT_LINK_DELAY_US", "soon"), ("SDP4BIT_LINK_DELAY_US", "-5"),
+                                       ("SDP4BIT_LINK_DELAY_US", "2e7")])
 def test_bad_values_name_the_variable(var, value):
     env = link.knob_env(1.0)
     env[var] = value
@@ -119,7 +173,14 @@ def test_bad_values_on_the_command_line(tmp_path):
         link.parse_sockets("16x8")
     with pytest.raises(ValueError, match="THREADSxSOCKETS"):
         link.parse_sockets("4")
+    for bad in ("soon", "-1", "1e8", "nan"):
+        with pytest.raises(ValueError, match="--link-delay-us"):
+            link.parse_delay_us(bad)
+    assert link.parse_delay_us("off") is None and link.parse_delay_us("0") is None
+    assert link.parse_delay_us("250") == 250.0
     from benchmarks.__main__ import main
+    with pytest.raises(SystemExit, match="--link-delay-us"):
+        main(["e2e", "--cpu", "--link-delay-us", "soon", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="--link-gbps"):
         main(["e2e", "--cpu", "--link-gbps", "fast", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="NCCL_SOCKET_NTHREADS"):
@@ -138,14 +199,25 @@ def test_linkrate_collectives_go_through_the_knob(tmp_path):
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = {(r["kind"], r["op"]): r for r in json.loads((out / "linkrate.json").read_text())}
-    assert set(rows) == {("tcp", "stream"), ("gloo", "all_gather"), ("gloo", "all_to_all")}
+    assert set(rows) == {("tcp", "stream"), ("tcp", "rtt"), ("gloo", "all_gather"), ("gloo", "all_to_all")}
     for r in rows.values():
-        assert r["status"] == "ok" and r["link_gbps"] == 4.0 and r["measured_gbps"] > 0
-        assert r["shim"]["gbps"] == 4.0
+        assert r["status"] == "ok" and r["link_gbps"] == 4.0 and r["link_delay_us"] is None
+        assert r["op"] == "rtt" or (r["measured_gbps"] > 0 and r["shim"]["gbps"] == 4.0)
     for op in ("all_gather", "all_to_all"):
         assert rows[("gloo", op)]["intact"] and rows[("gloo", op)]["shim_saw_traffic"]
     meta = json.loads(next(out.glob("linkrate_*Z_*[0-9].json")).read_text())["meta"]
     assert meta["args"]["gbps"] == ["4"] and meta["versions"]["torch"]
+    # the delay line under gloo's own socket handling: intact, through the shim, the round trip at least the delay
+    out2 = tmp_path / "out2"
+    p = subprocess.run([sys.executable, "-m", "benchmarks", "linkrate", "--cpu", "--collective", "--gbps", "off",
+                        "--delay-us", "1500", "--mb", "1", "--seconds", "0.05", "--ranks", "2", "--out", str(out2)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {(r["kind"], r["op"]): r for r in json.loads((out2 / "linkrate.json").read_text())}
+    assert all(r["status"] == "ok" and r["link_delay_us"] == 1500.0 and r["link_gbps"] is None for r in rows.values())
+    assert rows[("tcp", "rtt")]["rtt_us_min"] >= 1500
+    for op in ("all_gather", "all_to_all"):
+        assert rows[("gloo", op)]["intact"] and rows[("gloo", op)]["shim_saw_traffic"]
 
 
 # ------------------------------------------------------------------------------------------- the model
