@@ -133,14 +133,18 @@ def throughput_table(rows: Sequence[dict]) -> str:
             _fmt(r.get("bound_fraction"), ".2f"),
             _ratio(r, rows, "zero3"), _ratio(r, rows, "zeropp"), str(r.get("machine")),
             str(r.get("commit"))]) + " |")
-    failed = [r for r in rows if r.get("status") not in ("ok",)]
+    # runs that did not finish, of the cells with no finished run (a later run that did stands for them)
+    # (a topology-independent run, ZeRO-3 / ZeRO++ in share-GPU mode, stands for every topology of its rank count)
+    anywhere = {(r.get("model"), r.get("ranks"), r.get("variant")) for r in best.values() if r.get("topology_independent")}
+    failed = [r for r in rows if r.get("status") != "ok" and link.unshaped(r) and _key(r) not in best
+              and (r.get("model"), r.get("ranks"), r.get("variant")) not in anywhere]
     note = ("\nms/step: median of the timed steps of one run (after the warm-up steps), min-max beside it. "
             "bound fraction: the world-1 ZeRO-3 step of the same model x the ranks sharing one device, divided by "
             "this step time. vs ZeRO-3 / ZeRO++: their ms/step / this ms/step inside the same run (`*`: from "
             "another run on the same machine and mode). wire: bytes one rank sends per step (SDP4Bit's from "
             "`engine.sdp4bit_summary()`, DeepSpeed's by formula, see benchmarks/e2e.py).\n")
     if failed:
-        note += "\nRuns that did not finish: " + "; ".join(
+        note += "\nCells with no finished run: " + "; ".join(
             f"{r.get('model')} {r.get('topology')} {r.get('variant')}: {r.get('status')}"
             + (f" ({r.get('reason')})" if r.get("reason") else "") for r in failed) + ".\n"
     return "\n".join(lines) + "\n" + note

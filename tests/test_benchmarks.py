@@ -95,6 +95,14 @@ def test_e2e_and_report_on_cpu(tmp_path):
     # the report works on whatever rows exist and says what is missing
     table = report.throughput_table(rows)
     assert "sdp4bit:full" in table and "2x1" in table
+    # a cell without a finished run is named; one a later run finished (or a topology-independent run covers) is not
+    assert "Cells with no finished run: tiny 2x1 sdp4bit:node: skipped" in table
+    late = dict(by[("2x1", "sdp4bit:full")], status="timeout", row_id="x/late", created="0")
+    ok = dict(by[("1x1", "zero3")], topology="2x1", ranks=2, topology_independent=True, row_id="x/ok")
+    gone = dict(ok, topology="1x2", status="failed", row_id="x/gone")
+    assert "1x2 zero3" in report.throughput_table(rows + [gone])
+    t2 = report.throughput_table(rows + [late, ok, gone])
+    assert "1x2 zero3" not in t2 and "2x1 sdp4bit:full: timeout" not in t2
     head = report.headline(rows, [])
     # the speed table (header + a row per cell) and the loss table (header + "not measured": no accuracy rows)
     assert "not measured" in head and head.count("\n| ") == len(report.HEADLINE_CELLS) + 1 + 2
