@@ -16,8 +16,8 @@ schedule, steps, train_loss (mean of the last 50 steps), heldout_loss (final eva
 A run longer than one call of a GPU machine: ``--checkpoint-root DIR --stop-after N`` stops every run after step N
 with a checkpoint in DIR/<run name> (row status ``stopped``); the same command again, with a larger or no
 ``--stop-after``, goes on from there (the learning-rate schedule is always that of ``--steps``).  The finished
-run's row has every step's loss, ``resumed_at_step``, and ``earlier_parts`` (the row ids of the stopped parts,
-whose commands are in their run files); ``ms_per_step`` is that of the last part.
+run's row has every step's loss, ``resumed_at_step``, and ``earlier_parts`` (the row ids of the stopped parts;
+their commands are in their run files and in DIR/<run name>/parts.json); ``ms_per_step`` is that of the last part.
 The per-step losses go to ``--steps-file`` (default OUT/accuracy_steps.json, {row_id: [loss, ...]}).
 """
 
@@ -69,19 +69,25 @@ def _schedule_args(schedule: str, steps: int) -> List[str]:
 _RESUME_KEYS = ("model", "steps", "lr", "micro_batch", "seq", "eval_batches", "train_arg")
 
 
+def _check_resume_folders(root: Path, args) -> None:
+    """Refuse, before any run starts, a checkpoint folder under ``root`` left by other arguments."""
+    mine = {k: getattr(args, k) for k in _RESUME_KEYS}
+    for parts_file in sorted(root.glob("*/parts.json")) if root.is_dir() else []:
+        old = json.loads(parts_file.read_text()).get("args")
+        if old is not None and old != mine:
+            raise SystemExit(f"accuracy: {parts_file.parent} holds a run of other arguments ({old}, now {mine}); "
+                             f"remove it or use another --checkpoint-root")
+
+
 def _resume_args(ckpt: Path, args, row: dict) -> List[str]:
-    """train_gpt.py's checkpoint arguments for a run kept in ``ckpt`` across calls; refuses a folder left by
-    different arguments (``parts.json`` records them and every earlier part's row)."""
+    """train_gpt.py's checkpoint arguments for a run kept in ``ckpt`` across calls (``parts.json`` records the
+    arguments and every earlier part's row and status)."""
     ckpt.mkdir(parents=True, exist_ok=True)
     parts_file = ckpt / "parts.json"
     parts = json.loads(parts_file.read_text()) if parts_file.is_file() else {"args": None, "parts": []}
-    mine = {k: getattr(args, k) for k in _RESUME_KEYS}
-    if parts["args"] is not None and parts["args"] != mine:
-        raise SystemExit(f"accuracy: {ckpt} holds a run of other arguments ({parts['args']}, now {mine}); "
-                         f"remove it or use another --checkpoint-root")
-    row["earlier_parts"] = [p["row_id"] for p in parts["parts"]]
-    parts["args"] = mine
-    parts["parts"].append({"row_id": row["row_id"], "commit": row["commit"], "command": None})
+    row["earlier_parts"] = [p["row_id"] for p in parts["parts"] if p.get("status") == "stopped"]
+    parts["args"] = {k: getattr(args, k) for k in _RESUME_KEYS}
+    parts["parts"].append({"row_id": row["row_id"], "commit": row["commit"], "command": None, "status": None})
     suite.write_json(parts_file, parts)
     out = ["--checkpoint-dir", str(ckpt)]
     if (ckpt / "latest").is_file():
@@ -91,18 +97,21 @@ def _resume_args(ckpt: Path, args, row: dict) -> List[str]:
     return out
 
 
-def _record_command(ckpt: Path, row: dict) -> None:
+def _record_part(ckpt: Path, row: dict) -> None:
     parts_file = ckpt / "parts.json"
     parts = json.loads(parts_file.read_text())
-    parts["parts"][-1]["command"] = row["command"]
+    parts["parts"][-1].update(command=row.get("command"), status=row.get("status"))
     suite.write_json(parts_file, parts)
 
 
 def run(args) -> int:
     if args.stop_after and not args.checkpoint_root:
         raise SystemExit("accuracy: --stop-after needs --checkpoint-root")
-    if args.stop_after and args.stop_after >= args.steps:
-        raise SystemExit(f"accuracy: --stop-after must be below --steps ({args.steps}), got {args.stop_after}")
+    if args.stop_after < 0 or (args.stop_after and args.stop_after >= args.steps):
+        raise SystemExit(f"accuracy: --stop-after must be 0 (none) or 1 .. {args.steps - 1} (below --steps), got "
+                         f"{args.stop_after}")
+    if args.checkpoint_root:
+        _check_resume_folders(Path(args.checkpoint_root), args)
     cpu = args.cpu or not suite.on_gpu()
     specs = []
     for c in args.configs:
@@ -176,8 +185,6 @@ def run(args) -> int:
                         targs += _resume_args(ckpt, args, row)
                     cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
                     row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
-                    if ckpt:
-                        _record_command(ckpt, row)
                     print(f"[accuracy] {name}", flush=True)
                     rc, wall = suite.run_process(cmd, env, work / f"{name}.log",
                                                  min(args.timeout, deadline.left() - 15))
@@ -211,6 +218,8 @@ def run(args) -> int:
                         row["error_tail"] = suite.log_tail(work / f"{name}.log")
                     if replay and (ok or stopped):
                         done_replay.add((schedule, seed, world))
+                    if ckpt:
+                        _record_part(ckpt, row)
                     rows.append(row)
                     print(f"[accuracy] {name}: {row['status']}, train loss {row.get('train_loss')}, "
                           f"held-out {row.get('heldout_loss')}, wall {wall:.0f} s", flush=True)

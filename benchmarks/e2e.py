@@ -272,9 +272,13 @@ def run(args) -> int:
                 m = probed
                 if m is not None:
                     row["link_probe"] = True
+                elif args.probe_link and world > 1:
+                    # the probe failed or was skipped: said on the row, and no other run's rate stands in for it
+                    row.update(link_probe=False, link_probe_reason="this run's link probe gave no all-gather rate "
+                                                                   "(see its rows in OUT/linkrate.json)")
                 elif args.link_gbps or delay:
                     m = link.measured_rate(row, link_rows)
-                if m is not None or args.link_gbps or delay:
+                if m is not None or args.link_gbps or delay or args.probe_link:
                     row.update(link_measured_gbps=m["measured_gbps"] if m else None,
                                link_measured_source=m["row_id"] if m else None)
                 if rc != 0 or row.get("status") != "ok":

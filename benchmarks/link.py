@@ -24,12 +24,14 @@ Receiving is not limited (each process limits what it sends, like one direction 
 Latency (``--link-delay-us`` / ``linkrate --delay-us``, ``SDP4BIT_LINK_DELAY_US``): a sender-side sleep per call
 would serialize NCCL's pipelined chunks (up to 8 in flight per channel) and measure an artefact, so the shim
 keeps a delay line instead: send() copies the bytes into the socket's queue stamped "due at now + delay" and
-returns; one writer thread per process hands them to the kernel in order when due (through the rate limit when
-one is set); close() and shutdown() first deliver what is queued.  Throughput is kept as long as the sender keeps
+returns; one writer thread per process hands them to the kernel in order when due, one piece per socket in turn
+(through the rate limit when one is set); close() returns at once and the writer closes the socket once its
+queue is out; shutdown() and exit (_exit too) deliver the queue first, and what could not be delivered is
+counted (``dropped_bytes``) and said.  Throughput is kept as long as the sender keeps
 rate x delay bytes in flight (NCCL: 8 steps of its chunk per channel).  ``linkrate`` adds a round-trip row per
 setting (one byte there and back, the echo not delayed: the delay once plus the loopback's own).  Measured on
 this project's 2-core CPU machine, ``linkrate --cpu --gbps off --delay-us off|1000 --mb 64``: round trip 13 / 1053
-us, a 64 MiB stream 21.7 / 17.1 Gb/s.  A
+us.  A
 qdisc (netem) on ``lo`` would be the kernel's way; netem is not in the kernel of the CPU machine (ENOENT) and was
 not tried on a GPU host.  The step-time model (benchmarks/projection.py) has no latency term: rows with a delay
 are left out of its fit and said so.
@@ -237,14 +239,14 @@ def unshaped(row: dict) -> bool:
 
 def measured_rate(row: dict, link_rows: Sequence[dict]) -> Optional[dict]:
     """The newest ok ``linkrate`` collective row measured with ``row``'s link settings on its machine, preferring
-    one of the same run (``e2e --probe-link``), then the same number of ranks and all-gather; None when there is
-    none (then the requested rate is all we know)."""
+    the same number of ranks, then one of the same run (``e2e --probe-link``), then all-gather; None when there
+    is none (then the requested rate is all we know)."""
     cands = [r for r in link_rows if r.get("status") == "ok" and r.get("measured_gbps")
              and r.get("kind") in ("nccl", "gloo") and settings_of(r) == settings_of(row)
              and r.get("machine") == row.get("machine")]
     if not cands:
         return None
-    return max(cands, key=lambda r: (r.get("run_id") == row.get("run_id"), r.get("ranks") == row.get("ranks"),
+    return max(cands, key=lambda r: (r.get("ranks") == row.get("ranks"), r.get("run_id") == row.get("run_id"),
                                      r.get("op") == "all_gather", r.get("created", "")))
 
 
@@ -452,8 +454,9 @@ def measure_collectives(meta: dict, work: Path, cpu: bool, ranks: int, group: Se
     delay of ``delay_us`` (None: none)."""
     gpu = None if cpu else meta["machine"]["gpu_name"]
     run_id = meta["run_id"]
-    name = (f"{'gloo' if cpu else 'nccl'}_{ranks}r_{'shaped' if list(group) != [None] else 'off'}_"
-            f"{f'{threads}x{nsocks}' if threads else 'default'}" + (f"_d{delay_us:g}us" if delay_us else ""))
+    rates = "off" if list(group) == [None] else "shaped_" + "-".join(label(g) for g in group)
+    name = (f"{'gloo' if cpu else 'nccl'}_{ranks}r_{rates}_{f'{threads}x{nsocks}' if threads else 'default'}"
+            + (f"_d{delay_us:g}us" if delay_us else ""))  # (one stats folder per setting: no stale counts)
     stats = work / f"{name}_stats"
     log_json = work / f"{name}.json"
     sargs = ["--out-json", str(log_json), "--mb", str(mb), "--seconds", str(seconds),

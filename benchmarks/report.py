@@ -133,11 +133,13 @@ def throughput_table(rows: Sequence[dict]) -> str:
             _fmt(r.get("bound_fraction"), ".2f"),
             _ratio(r, rows, "zero3"), _ratio(r, rows, "zeropp"), str(r.get("machine")),
             str(r.get("commit"))]) + " |")
-    # runs that did not finish, of the cells with no finished run (a later run that did stands for them)
-    # (a topology-independent run, ZeRO-3 / ZeRO++ in share-GPU mode, stands for every topology of its rank count)
-    anywhere = {(r.get("model"), r.get("ranks"), r.get("variant")) for r in best.values() if r.get("topology_independent")}
-    failed = [r for r in rows if r.get("status") != "ok" and link.unshaped(r) and _key(r) not in best
-              and (r.get("model"), r.get("ranks"), r.get("variant")) not in anywhere]
+    # runs that did not finish, of the cells (knob settings included) with no finished run: a later run that did
+    # stands for them, and so does a topology-independent run (ZeRO-3 / ZeRO++ in share-GPU mode) of the ranks
+    done = {(_key(r), link.settings_of(r)) for r in _ok(rows)}
+    anywhere = {(r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r)) for r in _ok(rows)
+                if r.get("topology_independent")}
+    failed = [r for r in rows if r.get("status") != "ok" and (_key(r), link.settings_of(r)) not in done
+              and (r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r)) not in anywhere]
     note = ("\nms/step: median of the timed steps of one run (after the warm-up steps), min-max beside it. "
             "bound fraction: the world-1 ZeRO-3 step of the same model x the ranks sharing one device, divided by "
             "this step time. vs ZeRO-3 / ZeRO++: their ms/step / this ms/step inside the same run (`*`: from "
@@ -145,7 +147,10 @@ def throughput_table(rows: Sequence[dict]) -> str:
             "`engine.sdp4bit_summary()`, DeepSpeed's by formula, see benchmarks/e2e.py).\n")
     if failed:
         note += "\nCells with no finished run: " + "; ".join(
-            f"{r.get('model')} {r.get('topology')} {r.get('variant')}: {r.get('status')}"
+            f"{r.get('model')} {r.get('topology')} {r.get('variant')}"
+            + ("" if link.unshaped(r) else f" (knob {link.label(r.get('link_gbps'))} Gb/s"
+               + (f", {r['link_delay_us']:g} us" if r.get("link_delay_us") else "") + ")")
+            + f": {r.get('status')}"
             + (f" ({r.get('reason')})" if r.get("reason") else "") for r in failed) + ".\n"
     return "\n".join(lines) + "\n" + note
 

@@ -560,10 +560,9 @@ class _Replica:
       (:meth:`point_params`); source ``s``'s piece of ``p`` is elements ``[s*P, min((s+1)*P, numel))`` of it.
       ``node``: the parameters' hpZ secondary tensors (DeepSpeed's node replica), views of the buffer kept for
       good (never invalidated): local rank ``l`` keeps primary partitions ``l*N .. l*N+N-1`` of each parameter.
-    * ``plans[k]``: {source rank: :class:`~deepspeed_sdp4bit.segments.SegmentPlan` of its pieces in
-      ``flat[k]``}, checked once (the node refresh and every resync use them).
-    * ``runs``: the step's refresh in pieces (both levels: the exchange buffers hold one run, not a whole
-      sub-group).  Every parameter gets a *stage*: the model's modules
+    * ``runs``: the step's refresh and every resync in pieces (both levels: the exchange buffers hold one run,
+      not a whole sub-group), each with its plans ({source rank: :class:`~deepspeed_sdp4bit.segments.SegmentPlan`
+      of its pieces in the sub-group's buffer}, checked once).  Every parameter gets a *stage*: the model's modules
       in registration order, cut into ``weights.pieces`` stages of about equal parameter count at module
       boundaries (a parameter belongs to the first module that registers it).  A run is a range of a
       sub-group's flat partition (cut where the stage changes, at offsets that are multiples of ``ALIGN``, into
@@ -613,7 +612,8 @@ class _Replica:
         return out
 
     @classmethod
-    def sub_group(cls, items, M: int, topology, level: str, needed, dtype, device, new=None, geometry=None):
+    def sub_group(cls, items, M: int, topology, level: str, needed, dtype, device, new=None, geometry=None,
+                  plans: bool = True):
         """One sub-group's flat buffer, each parameter's view of it and the segment plan of every kept source.
 
         ``items``: [(param, offset in the flat partition, P)] (a param needs ``ds_numel``); ``M``: the flat
@@ -621,7 +621,8 @@ class _Replica:
         the buffer (default: zeros at node level, like DeepSpeed's secondary padding; empty at full level,
         where every element is written by the first resync).  Returns ``(buf, [view per item], {source:
         SegmentPlan})``; the views are the full data (``full``) or the hpZ secondary tensor (``node``).
-        ``geometry``: :meth:`_pieces` of these items, when the caller has it already.
+        ``geometry``: :meth:`_pieces` of these items, when the caller has it already; ``plans=False``: no plans
+        (``{}``).
         """
         pieces, starts, sizes, numel = geometry or cls._pieces(items, topology, level)
         if new is None:
@@ -629,8 +630,9 @@ class _Replica:
                 n, dtype=dtype, device=device)
         buf = new(numel, dtype, device)
         views = [buf[a:a + n] for a, n in zip(starts, sizes)]
-        plans = {src: plan for src, plan in cls._plans(pieces, needed, buf, M).items() if src in pieces}
-        return buf, views, plans
+        if not plans:
+            return buf, views, {}
+        return buf, views, {src: plan for src, plan in cls._plans(pieces, needed, buf, M).items() if src in pieces}
 
     @staticmethod
     def stages(module, params, pieces: int, min_numel: int = 1) -> Dict[int, int]:
@@ -672,7 +674,6 @@ class _Replica:
             self.layout.append(items)
         self.params: List[torch.nn.Parameter] = [p for items in self.layout for p, _, _ in items]
         self.flat: List[Optional[torch.Tensor]] = []
-        self.plans: List[Dict[int, Any]] = []
         self._views: Dict[int, torch.Tensor] = {}
         # full level: [(stage, sub-group, a, b, {source: plan})], in execution order
         self.runs: List[Tuple[int, int, int, int, Dict[int, Any]]] = []
@@ -685,15 +686,13 @@ class _Replica:
         for k, items in enumerate(self.layout):
             if not items:
                 self.flat.append(None)
-                self.plans.append({})
                 continue
             ref = items[0][0].ds_tensor
             M = opt.fp16_partitioned_groups_flat[k].numel()
             geometry = self._pieces(items, self.topology, self.level)
-            buf, views, plans = self.sub_group(items, M, self.topology, self.level, needed, ref.dtype, ref.device,
-                                               geometry=geometry)
+            buf, views, _ = self.sub_group(items, M, self.topology, self.level, needed, ref.dtype, ref.device,
+                                           geometry=geometry, plans=False)   # (the runs have their own)
             self.flat.append(buf)
-            self.plans.append(plans)
             for (p, _, _), view in zip(items, views):
                 if self.level == "full":
                     self._views[id(p)] = view
@@ -864,8 +863,8 @@ class _Replica:
         """Exact re-synchronisation of every copy from the owners' bf16 partitions (collective)."""
         self.wait()
         opt._partition_all_parameters()
-        for k in range(len(self.layout)):
-            self.weights.full_sync(opt.fp16_partitioned_groups_flat[k], self.plans[k], bucket_id=k)
+        for i, (_, k, a, b, plans) in enumerate(self.runs):   # run by run: bf16 rows of one run at a time
+            self.weights.full_sync(opt.fp16_partitioned_groups_flat[k][a:b], plans, bucket_id=i)
         self.point_params()
 
     def after_gathered(self, modified: bool) -> None:

@@ -155,10 +155,14 @@ def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     assert lb[b["row_id"]] == pytest.approx(la, rel=1e-6)
     assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
     assert b["heldout_loss"] == pytest.approx(a["heldout_loss"], rel=1e-6)
-    # a folder left by other arguments is refused, naming it
+    parts = json.loads(next(ckpt.glob("*/parts.json")).read_text())["parts"]
+    assert [p["status"] for p in parts] == ["stopped", "stopped", "ok"] and all(p["command"] for p in parts)
+    # a folder left by other arguments is refused before any run starts, naming it; so is a bad --stop-after
     other = [x if x != "3e-3" else "1e-3" for x in common]
     with pytest.raises(AssertionError, match="holds a run of other arguments"):
         _suite(other + ["--out", str(split), "--checkpoint-root", str(ckpt)], tmp_path)
+    with pytest.raises(AssertionError, match="--stop-after must be 0"):
+        _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt), "--stop-after", "-2"], tmp_path)
 
 
 def test_refresh_layout_is_deepspeeds():
