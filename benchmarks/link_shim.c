@@ -548,6 +548,18 @@ static void start_writer(void) {  /* under qlock */
     writer_started = 1;
 }
 
+/* Under qlock: wait until bytes leave a queue, at most ns (< 1 s) nanoseconds. */
+static void wait_room(long ns) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);  /* (the condition variable's clock) */
+    until.tv_nsec += ns;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec += 1;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&qroom, &qlock, &until);
+}
+
 /* Copy bytes [off, off + n) of the iovec list into dst. */
 static void gather(char *dst, const struct iovec *iov, int cnt, size_t off, size_t n) {
     for (int i = 0; i < cnt && n > 0; i++) {
@@ -601,14 +613,7 @@ static ssize_t delayed(int fd, const struct iovec *iov, int cnt, size_t len, int
                 pthread_cond_wait(&qroom, &qlock);
                 continue;
             }
-            struct timespec until;
-            clock_gettime(CLOCK_REALTIME, &until);
-            until.tv_nsec += 10000000L;
-            if (until.tv_nsec >= 1000000000L) {
-                until.tv_sec += 1;
-                until.tv_nsec -= 1000000000L;
-            }
-            pthread_cond_timedwait(&qroom, &qlock, &until);
+            wait_room(10000000L);
             if (q->bytes >= QUEUE_CAP) break;
             continue;
         }
@@ -653,14 +658,7 @@ static void drain_fd(int fd, int64_t timeout_ns) {
     int64_t until = now_ns() + timeout_ns;
     pthread_mutex_lock(&qlock);
     while (queues[fd] && queues[fd]->bytes && !queues[fd]->err && now_ns() < until) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec += 1;
-            ts.tv_nsec -= 1000000000L;
-        }
-        pthread_cond_timedwait(&qroom, &qlock, &ts);
+        wait_room(1000000L);
     }
     pthread_mutex_unlock(&qlock);
 }
