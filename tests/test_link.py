@@ -103,14 +103,74 @@ import os; os._exit(0)                # past the destructors, as multiprocessing
 """
 
 
+NONBLOCKING_CHILD = """
+import hashlib, select, socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+s.setblocking(False)                  # the calls NCCL's progress makes: MSG_DONTWAIT, partial sends, EAGAIN
+data = bytes(range(251)) * 330000     # 83 MB: more than a queue holds (64 MiB) while the receiver waits
+view, done, again = memoryview(data), 0, 0
+while done < len(data):
+    try:
+        done += s.send(view[done:done + (1 << 20)])
+    except BlockingIOError:
+        again += 1
+        select.select([], [s], [], 1.0)
+s.setblocking(True)
+s.shutdown(socket.SHUT_WR)
+s.close()
+print(hashlib.sha256(data).hexdigest(), again, flush=True)
+"""
+
+
+def _stream_to_child(code: str, env: dict, late_s: float = 0.0):
+    """Run ``code`` in a child (argv[1]: a loopback port) under ``env``; this process accepts one connection,
+    reads it to the end (starting ``late_s`` seconds late) and hashes it.  Returns (the child's process result,
+    the sha256 hex digest of what arrived)."""
+    import hashlib
+    import socket
+    import threading
+    import time
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    got = hashlib.sha256()
+
+    def recv():
+        c, _ = srv.accept()
+        time.sleep(late_s)
+        while True:
+            b = c.recv(1 << 16)
+            if not b:
+                break
+            got.update(b)
+
+    th = threading.Thread(target=recv)
+    th.start()
+    p = subprocess.run([sys.executable, "-c", code, str(srv.getsockname()[1])], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, **env))
+    th.join(timeout=60)
+    srv.close()
+    return p, got.hexdigest()
+
+
+@needs_cc
+def test_delay_line_with_non_blocking_senders(tmp_path):
+    """A non-blocking sender under the delay line, its receiver late to read: partial sends and EAGAIN as from a
+    full kernel buffer, every byte delivered in order."""
+    # (the receiver reads late: the kernel buffers fill, then the delay line's queue)
+    p, got = _stream_to_child(NONBLOCKING_CHILD, link.knob_env(None, tmp_path / "st", delay_us=5000), late_s=1.0)
+    digest, again = p.stdout.split() if p.returncode == 0 else ("", "0")
+    assert p.returncode == 0 and digest == got, p.stderr
+    assert int(again) > 0   # the full queue answered EAGAIN (after its 10 ms wait), and the sender went on
+    [st] = link.read_stats(tmp_path / "st")
+    assert st["delayed_bytes"] == 251 * 330000 and st["dropped_bytes"] == 0
+
+
 @needs_cc
 def test_delay_line_adds_latency_not_corruption(tmp_path):
     """SDP4BIT_LINK_DELAY_US: every byte reaches the peer no sooner than the delay after send() took it, in
     order and intact (alone and under a rate), and close() delivers what is still queued."""
-    import hashlib
-    import socket
-    import threading
-
     none = link.tcp_rtt(link.knob_env(None), 10)
     delayed = link.tcp_rtt(link.knob_env(None, delay_us=3000), 10)
     assert none["min_us"] < 3000 <= delayed["min_us"]
@@ -124,26 +184,9 @@ def test_delay_line_adds_latency_not_corruption(tmp_path):
         assert r["intact"] and r["bytes"] == nbytes
         [st] = link.read_stats(stats)
         assert st["delayed_bytes"] == st["bytes"] == nbytes and st["delay_us"] == 2000.0
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
-    got = hashlib.sha256()
-
-    def recv():
-        c, _ = srv.accept()
-        while True:
-            b = c.recv(1 << 16)
-            if not b:
-                break
-            got.update(b)
-
-    th = threading.Thread(target=recv)
-    th.start()
     # (under a rate, so close() and the exit come while most of the stream is still queued)
-    p = subprocess.run([sys.executable, "-c", CLOSE_CHILD, str(srv.getsockname()[1])], capture_output=True,
-                       text=True, timeout=60, env=dict(os.environ, **link.knob_env(0.1, delay_us=20000)))
-    th.join(timeout=60)
-    assert p.returncode == 0 and p.stdout.strip() == got.hexdigest() and "lost" not in p.stderr, p.stderr
+    p, got = _stream_to_child(CLOSE_CHILD, link.knob_env(0.1, delay_us=20000))
+    assert p.returncode == 0 and p.stdout.strip() == got and "lost" not in p.stderr, p.stderr
 
 
 @needs_cc
