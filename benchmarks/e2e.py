@@ -138,8 +138,9 @@ def run(args) -> int:
         raise SystemExit(f"e2e: {e}")
     if (args.link_gbps or threads or delay) and not cpu and not args.share_gpu and args.ranks_per_gpu == 1 \
             and args.transport != "sockets":
-        raise SystemExit("e2e: --link-gbps / --link-delay-us / --nccl-sockets concern TCP traffic: use them with --share-gpu / "
-                         "--ranks-per-gpu, --transport sockets, or on CPU (NVLink and shared memory bypass sockets)")
+        raise SystemExit("e2e: --link-gbps / --link-delay-us / --nccl-sockets concern TCP traffic: use them with "
+                         "--share-gpu / --ranks-per-gpu, --transport sockets, or on CPU (NVLink and shared memory "
+                         "bypass sockets)")
     # fewer ranks first (1x1 gives the bound), otherwise in the order given
     topos = sorted({t: suite.parse_topology(t) for t in args.topologies}.items(),
                    key=lambda kv: (kv[1][0] * kv[1][1], args.topologies.index(kv[0])))

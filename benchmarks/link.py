@@ -27,13 +27,12 @@ keeps a delay line instead: send() copies the bytes into the socket's queue stam
 returns; one writer thread per process hands them to the kernel in order when due, one piece per socket in turn
 (through the rate limit when one is set); close() returns at once and the writer closes the socket once its
 queue is out; shutdown() and exit (_exit too) deliver the queue first, and what could not be delivered is
-counted (``dropped_bytes``) and said.  Throughput is kept as long as the sender keeps
-rate x delay bytes in flight (NCCL: 8 steps of its chunk per channel).  ``linkrate`` adds a round-trip row per
-setting (one byte there and back, the echo not delayed: the delay once plus the loopback's own).  Measured on
-this project's 2-core CPU machine, ``linkrate --cpu --gbps off --delay-us off|1000 --mb 64``: round trip 13 / 1053
-us.  A
-qdisc (netem) on ``lo`` would be the kernel's way; netem is not in the kernel of the CPU machine (ENOENT) and was
-not tried on a GPU host.  The step-time model (benchmarks/projection.py) has no latency term: rows with a delay
+counted (``dropped_bytes``) and said.  A sender keeps its rate only while it keeps rate x delay bytes in
+flight (NCCL: 8 steps of its chunk per channel).  ``linkrate`` adds a round-trip row per setting (one byte there
+and back, the echo not delayed: the delay once plus the loopback's own).  Measured on this project's 2-core CPU
+machine, ``linkrate --cpu --gbps off --delay-us off|1000 --mb 64``: round trip 13 / 1053 us.  A qdisc (netem) on
+``lo`` would be the kernel's way; netem is not in the kernel of the CPU machine (ENOENT) and was not tried on a
+GPU host.  The step-time model (benchmarks/projection.py) has no latency term: rows with a delay
 are left out of its fit and said so.
 
 Unset (``--link-gbps`` not given): no ``LD_PRELOAD`` at all.  ``--nccl-sockets TxS`` sets

@@ -365,7 +365,8 @@ def linkrate_table(link_rows: Sequence[dict]) -> Optional[str]:
         lines.append("| " + " | ".join([
             str(r.get("kind")), str(r.get("op")), str(r.get("ranks")), link.label(r.get("link_gbps")),
             f"{r.get('nccl_socket_nthreads') or 'default'} x {r.get('nccl_nsocks_perthread') or 'default'}",
-            _fmt(r.get("link_delay_us"), "g"), _fmt(r.get("measured_gbps"), ".2f"), _fmt(r.get("rtt_us_median"), ".0f"),
+            _fmt(r.get("link_delay_us"), "g"), _fmt(r.get("measured_gbps"), ".2f"),
+            _fmt(r.get("rtt_us_median"), ".0f"),
             _fmt(shim.get("bytes_max"), ",d"), str(r.get("status")),
             str(r.get("machine")), str(r.get("commit"))]) + " |")
     return ("\n".join(lines) + "\n\nmeasured: bytes each rank sends per call x 8 / the median time of a call "

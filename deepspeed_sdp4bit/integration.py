@@ -675,7 +675,7 @@ class _Replica:
         self.params: List[torch.nn.Parameter] = [p for items in self.layout for p, _, _ in items]
         self.flat: List[Optional[torch.Tensor]] = []
         self._views: Dict[int, torch.Tensor] = {}
-        # full level: [(stage, sub-group, a, b, {source: plan})], in execution order
+        # [(stage, sub-group, a, b, {source: plan})], in execution order (both levels)
         self.runs: List[Tuple[int, int, int, int, Dict[int, Any]]] = []
         self.stage_of: Dict[int, int] = {}
         needed = self.weights.sources_needed()

@@ -48,8 +48,8 @@ def test_e2e_and_report_on_cpu(tmp_path):
               "2", "--out", str(out), "--bound-from"]
     _suite(common + ["--topologies", "1x1", "--configs", "zero3"], tmp_path)
     # the second under the bandwidth knob (benchmarks/link.py): its rows carry the rate and the shim's count
-    _suite(common + ["--topologies", "1x2", "2x1", "--configs", "zero3", "--link-gbps", "5", "--link-delay-us", "200"],
-           tmp_path)
+    _suite(common + ["--topologies", "1x2", "2x1", "--configs", "zero3", "--link-gbps", "5",
+                     "--link-delay-us", "200"], tmp_path)
     # the third measures its own link first (--probe-link): its rows take the rate from that measurement
     _suite(common + ["--topologies", "2x1", "--configs", "sdp4bit:full", "sdp4bit:node", "--probe-link",
                      "--probe-mb", "1", "--probe-seconds", "0.2"], tmp_path)

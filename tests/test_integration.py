@@ -631,8 +631,8 @@ def test_node_replica_in_pieces():
         longest = max(hi - lo for _, _, lo, hi in a["runs"])
         assert longest < max(a["M"]), (longest, a["M"])
         # (the same per-element cost: 4-bit payload and a scale per group, in the send, inter and intra rows)
-        assert a["pool_bytes"] <= b["pool_bytes"] * longest / max(b["M"]) * 1.05 + 256, (longest, a["M"],
-                                                                                        a["pool_bytes"], b["pool_bytes"])
+        bound = b["pool_bytes"] * longest / max(b["M"]) * 1.05 + 256
+        assert a["pool_bytes"] <= bound, (longest, a["M"], a["pool_bytes"], b["pool_bytes"])
 
 
 def _cuda_share_gpu():
