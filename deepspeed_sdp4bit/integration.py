@@ -59,7 +59,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .config import SDP4BitConfig, SDP4BitConfigError, parse_ds_config, validate_against_ds_config
+from .config import BLOCK_KEY, SDP4BitConfig, SDP4BitConfigError, parse_ds_config, validate_against_ds_config
 from .topology import Topology, resolve_gpus_per_node
 
 logger = logging.getLogger("deepspeed_sdp4bit")
@@ -287,6 +287,15 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
     if not cfg.active:
         return RunPlan(ds_config, cfg.model_copy(update={"enabled": False}), "; ".join(notes), notes)
     validate_against_ds_config(cfg, ds_config)
+    # The block DeepSpeed sees says what was decided here, so planning that config again gives the same run:
+    # DeepSpeed's engine partitions the model through deepspeed.zero.Init with this very config, and our
+    # zero.Init wrapper plans it without the model size; an omitted replica chosen "full" here would be
+    # planned "node" there (hpZ secondary partitions nobody refreshes, stale after a checkpoint load).
+    given = (ds_config.get(BLOCK_KEY) or {}).get("weights") or {}
+    if given.get("replica") != w.replica or given.get("enabled", True) != w.enabled:
+        block = ds.setdefault(BLOCK_KEY, {})
+        block["weights"] = dict(block.get("weights") or {}, enabled=w.enabled,
+                                **({"replica": w.replica} if w.replica is not None else {}))
     if w.enabled and w.replica == "node":
         if gpn == 1:
             raise NotImplementedError(
@@ -1465,6 +1474,10 @@ def _checkpoint_event_epilogue(orig):
         if st is None or st.weights is None:
             return orig(self)
         st.resync(self)
+        if st.level == "full":
+            # as DeepSpeed does: any hpZ secondary partition is DeepSpeed's own here (the node replica is one,
+            # kept and resynced above); one left over would hold the weights of before the load
+            self.invalidate_secondary_tensor()
         rest = [p for p in self.persistent_parameters if id(p) not in st.replica]
         if st.level == "full" and rest:
             rest[0].all_gather(rest)

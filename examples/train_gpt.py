@@ -108,6 +108,7 @@ except Exception as _e:  # noqa: BLE001 - re-raised with context: this must neve
 from data import build_samplers  # noqa: E402
 from dsconfig import apply_ds_set  # noqa: E402
 from gpt import GPT, GPTConfig, count_params, flops_per_token  # noqa: E402
+from shutdown import exit_ranks  # noqa: E402
 
 DEFAULT_RANDOM_VOCAB = 50304
 
@@ -565,3 +566,4 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_ranks()

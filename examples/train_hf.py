@@ -53,6 +53,7 @@ from transformers import (AutoModelForCausalLM, GPT2Config, Trainer, TrainerCall
 
 from data import load_corpus, split_corpus  # noqa: E402
 from dsconfig import apply_ds_set  # noqa: E402
+from shutdown import exit_ranks  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -266,10 +267,5 @@ def _write(out_dir: str, out: dict) -> None:
 
 if __name__ == "__main__":
     main()
-    # A clean shutdown: rank 0 evaluates the reloaded model alone, and a rank that left with its process group
-    # alive was seen to abort at interpreter exit (gloo on CPU: "terminate called without an active exception").
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    # rank 0 evaluates the reloaded model alone; the others wait for it here.
+    exit_ranks()

@@ -124,3 +124,23 @@ def test_hf_auto_persistence_threshold_is_replaced_for_the_full_replica():
              stage3_param_persistence_threshold="auto")
     plan = plan_run(ds, 4)
     assert plan.ds_config["zero_optimization"]["stage3_param_persistence_threshold"] >= 1 << 40
+
+
+@pytest.mark.parametrize("block,n_params,world", [
+    ({"topology": {"gpus_per_node": 2}}, 10**6, 4),                    # omitted replica -> full
+    ({"topology": {"gpus_per_node": 2}}, 20 * 10**9, 4),               # omitted replica -> node
+    ({"topology": {"gpus_per_node": 1}}, 50 * 10**9, 4),               # no replica fits -> weights off
+    ({"topology": {"gpus_per_node": 4}, "quantize_single_node": True,
+      "weights": {"replica": "node"}}, 10**6, 4),                      # node on one node -> weights off
+    ({"topology": {"gpus_per_node": 2}, "weights": {"replica": "full"}}, None, 4),
+])
+def test_the_prepared_config_plans_to_the_same_run(block, n_params, world):
+    # DeepSpeed's engine partitions the model through deepspeed.zero.Init with the config it was handed, and
+    # our zero.Init hook plans that config again without the model's size: it must decide the same (an omitted
+    # replica chosen "full" from the size was re-planned "node", and DeepSpeed built hpZ secondary partitions
+    # that went stale on a checkpoint load)
+    first = plan_run(_ds(block), world, n_params=n_params, device_bytes=80 * GiB)
+    assert first.cfg.active
+    again = plan_run(first.ds_config, world)
+    assert again.cfg == first.cfg and again.ds_config == first.ds_config
+    assert _ds(block)["sdp4bit"] == block   # the caller's block is not written to
