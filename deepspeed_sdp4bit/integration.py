@@ -336,15 +336,25 @@ def _say(msg: str) -> None:
         logger.warning("sdp4bit: %s", msg)
 
 
+_SIZE_ATTR = "_sdp4bit_n_params"
+
+
 def _model_size(model) -> Optional[int]:
-    """Parameter count of a model not yet partitioned, None for one built under ``deepspeed.zero.Init``
-    (whose replica level was chosen without the size: :func:`choose_replica` must answer the same)."""
+    """Parameter count the replica level of ``model``'s engine is chosen from (:func:`choose_replica`).
+
+    A model not yet partitioned: its count, remembered on the module, because an engine partitions it and a
+    later engine of the same module (the HF Trainer's optimizer-less evaluate() engine, then train()'s) must
+    choose what the first one partitioned for.  A model partitioned by ``deepspeed.zero.Init`` (no count
+    remembered): None, as zero.Init chose without the size.
+    """
     if model is None:
         return None
     params = list(model.parameters())
     if any(hasattr(p, "ds_id") for p in params):
-        return None
-    return sum(p.numel() for p in params)
+        return getattr(model, _SIZE_ATTR, None)
+    n = sum(p.numel() for p in params)
+    setattr(model, _SIZE_ATTR, n)
+    return n
 
 
 def _device_bytes() -> Optional[int]:

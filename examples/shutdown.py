@@ -4,7 +4,10 @@ DeepSpeed keeps references to its process groups, so ``destroy_process_group()``
 gloo worker threads live on until interpreter finalization, where a rank was seen to abort after all its work
 was done ("terminate called without an active exception", SIGABRT; torchrun then reports the run failed). So,
 once the ranks met and the groups are destroyed, the streams are flushed and the process leaves with
-``os._exit``. Call it only after everything the script writes is closed: atexit handlers do not run.
+``os._exit``. Call it only after everything the script writes is closed and every engine is destroyed
+(``engine.destroy()``: DeepSpeed's decoupled checkpoint writer commits the last save there): neither atexit
+handlers nor destructors run.  The ranks meet first, so a rank that failed alone leaves the others waiting in
+the barrier until torchrun stops them.
 """
 
 import os

@@ -542,6 +542,7 @@ def main(argv=None) -> dict:
         if rank == 0:
             print(f"train_gpt.py: stopped after step {end_step} of {args.steps} (checkpoint in "
                   f"{args.checkpoint_dir}; --resume goes on)", flush=True)
+        engine.destroy()   # before exit_ranks, which runs no destructors (a decoupled checkpoint writer commits here)
         return log.doc["final"]
 
     heldout = run_eval(args.steps)
@@ -561,6 +562,7 @@ def main(argv=None) -> dict:
     log.write()
     if rank == 0:
         print("train_gpt.py: done " + json.dumps(final), flush=True)
+    engine.destroy()
     return final
 
 

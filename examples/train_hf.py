@@ -235,6 +235,7 @@ def main(argv=None) -> dict:
     if args.stop_at and args.stop_at < args.max_steps:
         if trainer.is_world_process_zero():
             _write(args.out, out)
+        trainer.model_wrapped.destroy()   # the DeepSpeed engine; exit_ranks runs no destructors
         return out
     # The engine's held-out loss, by the same loop as the reloaded model's below (every rank runs every batch:
     # ZeRO-3's forward is collective).
@@ -242,6 +243,7 @@ def main(argv=None) -> dict:
     out["eval_loss"] = heldout_loss(trainer.model_wrapped, eval_ds, args.micro_batch, device)
     final = os.path.join(args.out, "final")
     trainer.save_model(final)
+    trainer.model_wrapped.destroy()
     if trainer.is_world_process_zero():
         # A plain model, as anyone loading the saved directory would get it: with the Trainer's ZeRO-3 config
         # still registered, from_pretrained would build it under deepspeed.zero.Init (collective) instead.

@@ -84,8 +84,24 @@ def _worker4(rank, world, ckpt):
 
     res["moe"] = _catch(lambda: _engine(cfg, MoEModel()))
 
+    # the HF Trainer's evaluate() before train(): an engine without an optimizer partitions the model first, then
+    # a training engine of the same module must choose the replica the first one partitioned for (it chose
+    # node from the partitioned model's unknown size, and attach refused the model)
+    import copy
+
+    model = ds_utils.make_model(0)
+    no_opt = copy.deepcopy(cfg)
+    no_opt.pop("optimizer")
+    deepspeed.initialize(model=model, config=no_opt)
+    e = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    res["eval_then_train"] = (e.sdp4bit.level, ds_utils.train_steps(e, 1, rank))
+    del e
+
     # a checkpoint at 2 x 2 (a frozen parameter in the model), then the same world as 4 x 1
     e = _engine(cfg, _frozen_model())
+    # DeepSpeed built no hpZ secondary partitions beside the full replica chosen for the omitted key
+    res["secondary_at_build"] = sum(getattr(p, "ds_secondary_tensor", None) is not None
+                                    for p in e.module.parameters())
     before = ds_utils.train_steps(e, 2, rank)
     e.save_checkpoint(ckpt, tag="t")
     res["uninterrupted"] = ds_utils.train_steps(e, 2, rank, start_step=2)
@@ -169,5 +185,12 @@ def test_resume_with_another_topology_is_refused_naming_both(runs):
         assert "saved with 2 node(s) x 2 GPU(s) per node, this job runs 4 x 1" in msg and "gpus_per_node = 2" in msg
         # with a frozen parameter, at the same layout, the resumed run continues exactly; the omitted replica
         # was chosen full, and DeepSpeed built no hpZ secondary partitions beside it
-        assert r["level"] == "full" and r["secondary"] == 0
+        assert r["level"] == "full" and r["secondary_at_build"] == 0 and r["secondary"] == 0
         assert r["resumed"] == r["uninterrupted"]
+
+
+def test_a_training_engine_after_an_optimizerless_one_keeps_its_replica(runs):
+    four, _ = runs
+    for r in four:
+        level, losses = r["eval_then_train"]
+        assert level == "full" and losses[0] == four[0]["before"][0]   # the same model and batches
