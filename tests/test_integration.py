@@ -660,6 +660,60 @@ def test_overlap_on_cuda_matches_the_refresh_inside_step():
     _close(on["losses"], runs[0]["plain"][:STEPS - 1], 3e-2)
 
 
+def _host_sync_worker(rank, world, steps):
+    """Training steps under ``torch.cuda.set_sync_debug_mode("warn")``: every host synchronization, attributed
+    to the innermost DeepSpeed or SDP4Bit frame of the Python stack it came from."""
+    import traceback
+    import warnings
+
+    du = _setup()
+    here = os.sep + "deepspeed_sdp4bit" + os.sep
+    theirs = os.sep + "deepspeed" + os.sep
+
+    def origin(stack):
+        for f in reversed(stack):
+            if here in f.filename:
+                return "sdp4bit", f"{f.filename.split(here)[-1]}:{f.lineno} {f.name}"
+            if theirs in f.filename:
+                return "deepspeed", f"{f.filename.split(theirs)[-1]}:{f.lineno} {f.name}"
+        return "other", None
+
+    res = {}
+    for replica in ("full", "node"):
+        e = du.make_engine(du.base_config(sdp4bit=block(None, replica=replica)))
+        du.train_steps(e, 2, rank)   # first steps build plans, caches and the once-per-bucket checks
+        seen = []
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing" in str(message):
+                seen.append(origin(traceback.extract_stack()[:-1]))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                du.train_steps(e, steps, rank)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        res[replica] = {"sdp4bit": sorted({w for who, w in seen if who == "sdp4bit"}),
+                        "deepspeed": sum(who == "deepspeed" for who, _ in seen), "level": e.sdp4bit.level}
+        del e
+    return res
+
+
+def test_no_host_synchronization_from_sdp4bit_in_a_step_on_cuda():
+    # issue 20: SDP4Bit adds no per-step host synchronization (DeepSpeed's own, e.g. its gradient-norm and
+    # overflow reads, stay); the count of DeepSpeed's shows that the capture works
+    env = _cuda_share_gpu()
+    runs = run_distributed(_host_sync_worker, WORLD, args=(2,), local_world_size=1, env=env, backend="nccl")
+    for r in runs:
+        for replica in ("full", "node"):
+            assert r[replica]["level"] == replica
+            assert r[replica]["sdp4bit"] == [], (replica, r[replica]["sdp4bit"])
+            assert r[replica]["deepspeed"] > 0, replica
+
+
 # --------------------------------------------------------------------------------------------------------
 # family "pipeline": gradients.pipeline_chunks > 1 inside the engine
 # --------------------------------------------------------------------------------------------------------
