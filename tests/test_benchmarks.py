@@ -135,7 +135,7 @@ def test_accuracy_replay_matches_real_zero3(tmp_path):
 def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     """A run longer than one GPU call: --stop-after leaves a checkpoint, the same command goes on from it, and the
     finished row's losses are those of the run done in one go (the schedule is that of --steps throughout)."""
-    common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x1", "--configs", "sdp4bit",
+    common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "sdp4bit",
               "--seeds", "2", "--schedules", "cosine", "--steps", "6", "--seq", "64", "--micro-batch", "2",
               "--lr", "3e-3", "--eval-batches", "2"]
     whole, split, ckpt = tmp_path / "whole", tmp_path / "split", tmp_path / "ckpt"
