@@ -135,11 +135,15 @@ def throughput_table(rows: Sequence[dict]) -> str:
             str(r.get("commit"))]) + " |")
     # runs that did not finish, of the cells (knob settings included) with no finished run: a later run that did
     # stands for them, and so does a topology-independent run (ZeRO-3 / ZeRO++ in share-GPU mode) of the ranks
-    done = {(_key(r), link.settings_of(r)) for r in _ok(rows)}
-    anywhere = {(r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r)) for r in _ok(rows)
-                if r.get("topology_independent")}
-    failed = [r for r in rows if r.get("status") != "ok" and (_key(r), link.settings_of(r)) not in done
-              and (r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r)) not in anywhere]
+    def cell(r):
+        return _key(r), link.settings_of(r)
+
+    def ranks_cell(r):   # a topology-independent run covers every topology of its rank count
+        return r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r)
+
+    done = {cell(r) for r in _ok(rows)}
+    anywhere = {ranks_cell(r) for r in _ok(rows) if r.get("topology_independent")}
+    failed = [r for r in rows if r.get("status") != "ok" and cell(r) not in done and ranks_cell(r) not in anywhere]
     note = ("\nms/step: median of the timed steps of one run (after the warm-up steps), min-max beside it. "
             "bound fraction: the world-1 ZeRO-3 step of the same model x the ranks sharing one device, divided by "
             "this step time. vs ZeRO-3 / ZeRO++: their ms/step / this ms/step inside the same run (`*`: from "

@@ -23,7 +23,7 @@ from dist_utils import run_distributed
 # the replica omitted, as in the shipped config: chosen full for this tiny model.  The same-layout resume at the
 # end of _worker4 once differed from the uninterrupted run by 3e-6 at its second step: DeepSpeed's engine
 # re-planned the config inside zero.Init without the model size, chose node there, and the first backward
-# after the load re-gathered weights from the stale hpZ secondary partitions that left behind
+# after the load re-gathered weights from the stale hpZ secondary partitions it left behind
 TOPO2 = {"topology": {"gpus_per_node": 2}, "kernel_backend": "torch"}
 
 
@@ -40,6 +40,11 @@ def _engine(config, model):
 
     params = [p for p in model.parameters() if p.requires_grad]
     return deepspeed.initialize(model=model, model_parameters=params, config=config)[0]
+
+
+def _secondaries(engine) -> int:
+    """Parameters with a DeepSpeed hpZ secondary partition (none beside a full replica)."""
+    return sum(getattr(p, "ds_secondary_tensor", None) is not None for p in engine.module.parameters())
 
 
 def _catch(fn):
@@ -93,15 +98,14 @@ def _worker4(rank, world, ckpt):
     no_opt = copy.deepcopy(cfg)
     no_opt.pop("optimizer")
     deepspeed.initialize(model=model, config=no_opt)
-    e = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    e = _engine(cfg, model)
     res["eval_then_train"] = (e.sdp4bit.level, ds_utils.train_steps(e, 1, rank))
     del e
 
     # a checkpoint at 2 x 2 (a frozen parameter in the model), then the same world as 4 x 1
     e = _engine(cfg, _frozen_model())
     # DeepSpeed built no hpZ secondary partitions beside the full replica chosen for the omitted key
-    res["secondary_at_build"] = sum(getattr(p, "ds_secondary_tensor", None) is not None
-                                    for p in e.module.parameters())
+    res["secondary_at_build"] = _secondaries(e)
     before = ds_utils.train_steps(e, 2, rank)
     e.save_checkpoint(ckpt, tag="t")
     res["uninterrupted"] = ds_utils.train_steps(e, 2, rank, start_step=2)
@@ -117,7 +121,7 @@ def _worker4(rank, world, ckpt):
     # differed (4.2824 vs 4.2566 at the first step), so it was not restored from the checkpoint here.
     e = _engine(cfg, _frozen_model(seed=0))
     e.load_checkpoint(ckpt, tag="t")
-    res["secondary"] = sum(getattr(p, "ds_secondary_tensor", None) is not None for p in e.module.parameters())
+    res["secondary"] = _secondaries(e)
     res["level"] = e.sdp4bit.level
     res["resumed"] = ds_utils.train_steps(e, 2, rank, start_step=2)
     res["before"] = before
