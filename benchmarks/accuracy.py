@@ -15,7 +15,9 @@ schedule, steps, train_loss (mean of the last 50 steps), heldout_loss (final eva
 
 A run longer than one call of a GPU machine: ``--checkpoint-root DIR --stop-after N`` stops every run after step N
 with a checkpoint in DIR/<run name> (row status ``stopped``); the same command again, with a larger or no
-``--stop-after``, goes on from there (the learning-rate schedule is always that of ``--steps``).  The finished
+``--stop-after``, goes on from there (the learning-rate schedule is always that of ``--steps``);
+``--stop-before-deadline S`` instead stops each run after the first step that ends less than S seconds before the
+call's ``--deadline`` (S covers the checkpoint and teardown), so every call trains for as long as it has.  The finished
 run's row has every step's loss, ``resumed_at_step``, and ``earlier_parts`` (the row ids of the stopped parts;
 their commands are in their run files and in DIR/<run name>/parts.json); ``ms_per_step`` is that of the last part.
 The per-step losses go to ``--steps-file`` (default OUT/accuracy_steps.json, {row_id: [loss, ...]}).
@@ -58,6 +60,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=int, default=0, metavar="N",
                    help="stop each run after step N with a checkpoint (needs --checkpoint-root); a later call with "
                         "the same arguments and a larger or no --stop-after goes on: runs longer than one call")
+    p.add_argument("--stop-before-deadline", type=float, default=0.0, metavar="S",
+                   help="stop each run with a checkpoint after the first step ending less than S seconds before "
+                        "--deadline (needs --checkpoint-root and --deadline; 0: off)")
 
 
 def _schedule_args(schedule: str, steps: int) -> List[str]:
@@ -79,7 +84,7 @@ def _check_resume_folders(root: Path, args) -> None:
                              f"remove it or use another --checkpoint-root")
 
 
-def _resume_args(ckpt: Path, args, row: dict) -> List[str]:
+def _resume_args(ckpt: Path, args, row: dict, deadline: suite.Deadline) -> List[str]:
     """train_gpt.py's checkpoint arguments for a run kept in ``ckpt`` across calls (``parts.json`` records the
     arguments and every earlier part's row and status)."""
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -94,6 +99,8 @@ def _resume_args(ckpt: Path, args, row: dict) -> List[str]:
         out.append("--resume")
     if args.stop_after:
         out += ["--stop-after", str(args.stop_after)]
+    if args.stop_before_deadline:
+        out += ["--stop-at-time", f"{deadline.end - args.stop_before_deadline:.1f}"]
     return out
 
 
@@ -110,6 +117,9 @@ def run(args) -> int:
     if args.stop_after < 0 or (args.stop_after and args.stop_after >= args.steps):
         raise SystemExit(f"accuracy: --stop-after must be 0 (none) or 1 .. {args.steps - 1} (below --steps), got "
                          f"{args.stop_after}")
+    if args.stop_before_deadline < 0 or (args.stop_before_deadline and not (args.checkpoint_root and args.deadline)):
+        raise SystemExit(f"accuracy: --stop-before-deadline must be >= 0 and needs --checkpoint-root and --deadline, "
+                         f"got {args.stop_before_deadline}")
     if args.checkpoint_root:
         _check_resume_folders(Path(args.checkpoint_root), args)
     cpu = args.cpu or not suite.on_gpu()
@@ -182,7 +192,7 @@ def run(args) -> int:
                         targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
                     targs += list(args.train_arg)
                     if ckpt:
-                        targs += _resume_args(ckpt, args, row)
+                        targs += _resume_args(ckpt, args, row, deadline)
                     cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
                     row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
                     print(f"[accuracy] {name}", flush=True)
@@ -202,8 +212,8 @@ def run(args) -> int:
                             row["ms_per_step"] = suite.median([s["ms"] for s in part[1:] or part])
                         row["steps_done"] = len(steps)
                     ok = rc == 0 and row.get("steps_done") == args.steps
-                    stopped = (rc == 0 and bool(args.stop_after) and final.get("stopped_after") == args.stop_after
-                               and row.get("steps_done") == args.stop_after)
+                    stopped = (rc == 0 and final.get("stopped_after") is not None
+                               and final["stopped_after"] == row.get("steps_done") < args.steps)
                     if row.get("steps_done") == args.steps:  # complete (a teardown past the timeout too)
                         tail = losses[-min(50, len(losses)):]
                         row["train_loss"] = sum(tail) / len(tail)
@@ -211,8 +221,8 @@ def run(args) -> int:
                     row["status"] = ("ok" if ok else "stopped" if stopped
                                      else "timeout" if rc == "timeout" else "failed")
                     if stopped:
-                        row["reason"] = (f"--stop-after {args.stop_after}: checkpoint in {ckpt}, the next call "
-                                         f"goes on")
+                        row["reason"] = (f"stopped after step {final['stopped_after']} (--stop-after / "
+                                         f"--stop-before-deadline): checkpoint in {ckpt}, the next call goes on")
                         losses = []  # the finished run's row carries every step
                     elif not ok:
                         row["error_tail"] = suite.log_tail(work / f"{name}.log")

@@ -100,6 +100,21 @@ class Point:
         return self.bytes * 8 / (self.gbps * 1e9) * 1e3
 
 
+def rate_of(r: dict, link_rows: Sequence[dict]) -> Tuple[Optional[float], str]:
+    """The link rate (Gb/s per rank) a throughput row ran at and where it comes from: ``measured (same run)``
+    (``e2e --probe-link``), ``measured`` (the newest ``linkrate`` row of its settings and machine, another call),
+    ``measured (N ranks)`` (such a row at another rank count), ``requested`` (the knob's setting), else None."""
+    gbps, src = r.get("link_measured_gbps"), "measured (same run)" if r.get("link_probe") else "measured"
+    if not gbps:
+        m = link.measured_rate(r, link_rows)
+        gbps = m["measured_gbps"] if m else None
+        if m and m.get("ranks") != r.get("ranks"):
+            src = f"measured ({m.get('ranks')} ranks)"   # no linkrate row at this rank count
+    if not gbps and r.get("link_gbps"):
+        gbps, src = r["link_gbps"], "requested"
+    return gbps, src
+
+
 def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point], List[str]]:
     """Fit points from throughput rows (ok, several ranks, a compute bound, bytes, and a known link rate)."""
     out, skipped = [], []
@@ -112,14 +127,7 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point]
         if r.get("link_delay_us"):
             skipped.append(f"{r.get('row_id')}: a delay of {r['link_delay_us']:g} us (the model has no latency term)")
             continue
-        gbps, src = r.get("link_measured_gbps"), "measured (same run)" if r.get("link_probe") else "measured"
-        if not gbps:
-            m = link.measured_rate(r, link_rows)
-            gbps = m["measured_gbps"] if m else None
-            if m and m.get("ranks") != r.get("ranks"):
-                src = f"measured ({m.get('ranks')} ranks)"   # no linkrate row at this rank count
-        if not gbps and r.get("link_gbps"):
-            gbps, src = r["link_gbps"], "requested"
+        gbps, src = rate_of(r, link_rows)
         if not gbps:
             skipped.append(f"{r.get('row_id')}: unshaped and no linkrate measurement of that setting")
             continue

@@ -162,6 +162,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     c.add_argument("--stop-after", type=int, default=0, metavar="N",
                    help="stop after step N with a checkpoint, the schedule still that of --steps (0: run to --steps); "
                         "a later --resume goes on from there")
+    c.add_argument("--stop-at-time", type=float, default=0.0, metavar="UNIX_SECONDS",
+                   help="stop, as --stop-after does, after the first step that ends past this wall-clock time on any "
+                        "rank (0: never); for a run split over calls of a lent machine")
     p.add_argument("--one-gpu-per-rank", action="store_true",
                    help="each rank sees only its own GPU and counts as its own node (see the code)")
     p.add_argument("--allow-no-sdp4bit-evidence", action="store_true",
@@ -189,8 +192,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.vocab = DEFAULT_RANDOM_VOCAB if a.random_tokens else 256
     if a.data_seed is None:
         a.data_seed = a.seed
-    if (a.resume or a.save_every or a.stop_after) and not a.checkpoint_dir:
-        p.error("--resume, --save-every and --stop-after need --checkpoint-dir")
+    if a.stop_at_time < 0:
+        p.error(f"--stop-at-time must be >= 0, got {a.stop_at_time}")
+    if (a.resume or a.save_every or a.stop_after or a.stop_at_time) and not a.checkpoint_dir:
+        p.error("--resume, --save-every, --stop-after and --stop-at-time need --checkpoint-dir")
     if a.stop_after >= a.steps:
         p.error(f"--stop-after must be below --steps ({a.steps}), got {a.stop_after}")
     if a.d_model % a.heads:
@@ -497,16 +502,21 @@ def main(argv=None) -> dict:
             group["lr"] = lr
         _sync()
         t0 = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        # [summed loss, ranks past --stop-at-time]: one all-reduce per step carries both, so every rank stops at
+        # the same step
+        acc = torch.zeros(2, dtype=torch.float32, device=device)
         for sampler in train_list:  # replayed ranks in order (one unless --replay-ranks)
             for micro in range(args.grad_accum):
                 x, y = sampler.batch(step, micro)
                 loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
                 engine.backward(loss)
                 engine.step()  # DeepSpeed only updates at the last micro-batch of the accumulation window
-                loss_sum += loss.detach().float()
-        torch.distributed.all_reduce(loss_sum)
-        mean_loss = loss_sum.item() / (args.grad_accum * args.replay_ranks * world)
+                acc[0] += loss.detach().float()
+        if args.stop_at_time and time.time() > args.stop_at_time:
+            acc[1] = 1.0
+        torch.distributed.all_reduce(acc)
+        loss_total, past_time = acc.tolist()
+        mean_loss = loss_total / (args.grad_accum * args.replay_ranks * world)
         _sync()
         dt = time.perf_counter() - t0
 
@@ -528,13 +538,17 @@ def main(argv=None) -> dict:
         done = step + 1
         if args.eval_every and done % args.eval_every == 0 and done != args.steps:
             run_eval(done, pbar)
+        if past_time and done < end_step:
+            end_step = done   # --stop-at-time: stop here, as --stop-after would
         if args.checkpoint_dir and args.save_every and done % args.save_every == 0 and done != end_step:
             save(done)
         if done % args.log_flush == 0:
             log.write()
+        if done == end_step:
+            break
     pbar.close()
 
-    if end_step < args.steps:  # --stop-after: a checkpoint to go on from, no final evaluation
+    if end_step < args.steps:  # --stop-after / --stop-at-time: a checkpoint to go on from, no final evaluation
         save(end_step)
         log.doc["final"] = {"stopped_after": end_step, "steps": args.steps,
                             "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}

@@ -104,6 +104,16 @@ def test_e2e_and_report_on_cpu(tmp_path):
     t2 = report.throughput_table(rows + [late, ok, gone])
     assert "1x2 zero3" not in t2 and "2x1 sdp4bit:full: timeout" not in t2
     head = report.headline(rows, [])
+    # the link column: the rate of the row's own run (e2e --probe-link), of another call's linkrate row, or none
+    full = by[("2x1", "sdp4bit:full")]
+    assert report._link_cell(full, []) == f"{full['link_measured_gbps']:.2f} (in the run)"
+    sdp = dict(full, link_measured_gbps=None, link_probe=None)
+    assert report._link_cell(sdp, []) == "not measured"
+    other = {"kind": "nccl", "op": "all_gather", "status": "ok", "ranks": 4, "measured_gbps": 7.17,
+             "machine": sdp["machine"]}   # unshaped, as the row
+    assert report._link_cell(dict(sdp, ranks=4), [other]) == "7.17 (another call)"
+    assert report._link_cell(dict(sdp, ranks=2), [other]) == "7.17 (another call, 4 ranks)"
+    assert report._link_cell(dict(sdp, ranks=2, link_gbps=5), [other]) == "5.00 (requested)"
     # the speed table (header + a row per cell) and the loss table (header + "not measured": no accuracy rows)
     assert "not measured" in head and head.count("\n| ") == len(report.HEADLINE_CELLS) + 1 + 2
     text = report.replace_between(f"a\n{report.BEGIN}\nold\n{report.END}\nb", head)
@@ -134,18 +144,21 @@ def test_accuracy_replay_matches_real_zero3(tmp_path):
 
 def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     """A run longer than one GPU call: --stop-after leaves a checkpoint, the same command goes on from it, and the
-    finished row's losses are those of the run done in one go (the schedule is that of --steps throughout)."""
+    finished row's losses are those of the run done in one go (the schedule is that of --steps throughout).
+    --stop-before-deadline stops by the clock instead: its stop time is already near when the run starts, so it
+    stops after its first step, on every rank at once."""
     common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "sdp4bit",
               "--seeds", "2", "--schedules", "cosine", "--steps", "6", "--seq", "64", "--micro-batch", "2",
               "--lr", "3e-3", "--eval-batches", "2"]
     whole, split, ckpt = tmp_path / "whole", tmp_path / "split", tmp_path / "ckpt"
     _suite(common + ["--out", str(whole)], tmp_path)
-    for stop in (["--stop-after", "2"], ["--stop-after", "4"], []):
+    for stop in (["--stop-after", "2"], ["--deadline", "300", "--stop-before-deadline", "299"], []):
         _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt)] + stop, tmp_path)
     (a,) = json.loads((whole / "accuracy.json").read_text())
     rows = json.loads((split / "accuracy.json").read_text())
     assert [r["status"] for r in rows] == ["stopped", "stopped", "ok"]
-    assert [r.get("resumed_at_step") for r in rows] == [None, 2, 4]
+    assert [r.get("resumed_at_step") for r in rows] == [None, 2, 3]
+    assert [r.get("steps_done") for r in rows] == [2, 3, 6] and "stopped after step 3" in rows[1]["reason"]
     b = rows[-1]
     assert b["earlier_parts"] == [r["row_id"] for r in rows[:2]] and b["steps_done"] == 6
     assert "train_loss" not in rows[0] and "--stop-after 2" in rows[0]["command"]
@@ -163,6 +176,10 @@ def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
         _suite(other + ["--out", str(split), "--checkpoint-root", str(ckpt)], tmp_path)
     with pytest.raises(AssertionError, match="--stop-after must be 0"):
         _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt), "--stop-after", "-2"], tmp_path)
+    with pytest.raises(AssertionError, match="--stop-before-deadline must be >= 0 and needs --checkpoint-root and "
+                                             "--deadline"):
+        _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt), "--stop-before-deadline", "60"],
+               tmp_path)
 
 
 def test_refresh_layout_is_deepspeeds():
