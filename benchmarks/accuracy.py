@@ -16,10 +16,13 @@ schedule, steps, train_loss (mean of the last 50 steps), heldout_loss (final eva
 A run longer than one call of a GPU machine: ``--checkpoint-root DIR --stop-after N`` stops every run after step N
 with a checkpoint in DIR/<run name> (row status ``stopped``); the same command again, with a larger or no
 ``--stop-after``, goes on from there (the learning-rate schedule is always that of ``--steps``);
-``--stop-before-deadline S`` instead stops each run after the first step that ends less than S seconds before the
-call's ``--deadline`` (S covers the checkpoint and teardown), so every call trains for as long as it has.  The finished
-run's row has every step's loss, ``resumed_at_step``, and ``earlier_parts`` (the row ids of the stopped parts;
-their commands are in their run files and in DIR/<run name>/parts.json); ``ms_per_step`` is that of the last part.
+``--stop-margin S`` instead stops each run after the first step that ends less than S seconds before the run would
+be killed (its ``--timeout``, or the call's ``--deadline`` less 15 s; S covers the checkpoint and teardown), so
+the same command, sent again each call, trains for as long as each call has (a run takes all the time left, so
+give each config its own process, side by side; the next runs of one process find the deadline reached).  A run
+already finished in its folder is skipped.  The finished run's row has every step's loss, ``resumed_at_step``, and
+``earlier_parts`` (the row ids of the stopped parts; their commands are in their run files and in
+DIR/<run name>/parts.json); ``ms_per_step`` is the median over every part's steps.
 The per-step losses go to ``--steps-file`` (default OUT/accuracy_steps.json, {row_id: [loss, ...]}).
 """
 
@@ -27,8 +30,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 from . import suite
 
@@ -60,9 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop-after", type=int, default=0, metavar="N",
                    help="stop each run after step N with a checkpoint (needs --checkpoint-root); a later call with "
                         "the same arguments and a larger or no --stop-after goes on: runs longer than one call")
-    p.add_argument("--stop-before-deadline", type=float, default=0.0, metavar="S",
-                   help="stop each run with a checkpoint after the first step ending less than S seconds before "
-                        "--deadline (needs --checkpoint-root and --deadline; 0: off)")
+    p.add_argument("--stop-margin", type=float, default=0.0, metavar="S",
+                   help="stop each run with a checkpoint after the first step ending less than S seconds before it "
+                        "would be killed (--timeout or --deadline); needs --checkpoint-root; 0: off")
 
 
 def _schedule_args(schedule: str, steps: int) -> List[str]:
@@ -84,7 +88,16 @@ def _check_resume_folders(root: Path, args) -> None:
                              f"remove it or use another --checkpoint-root")
 
 
-def _resume_args(ckpt: Path, args, row: dict, deadline: suite.Deadline) -> List[str]:
+def _finished_part(ckpt: Path) -> Optional[str]:
+    """The row id of the part that finished the run kept in ``ckpt``, if one did."""
+    parts_file = ckpt / "parts.json"
+    if not parts_file.is_file():
+        return None
+    done = [p["row_id"] for p in json.loads(parts_file.read_text())["parts"] if p.get("status") == "ok"]
+    return done[-1] if done else None
+
+
+def _resume_args(ckpt: Path, args, row: dict, stop_at: Optional[float]) -> List[str]:
     """train_gpt.py's checkpoint arguments for a run kept in ``ckpt`` across calls (``parts.json`` records the
     arguments and every earlier part's row and status)."""
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -99,8 +112,8 @@ def _resume_args(ckpt: Path, args, row: dict, deadline: suite.Deadline) -> List[
         out.append("--resume")
     if args.stop_after:
         out += ["--stop-after", str(args.stop_after)]
-    if args.stop_before_deadline:
-        out += ["--stop-at-time", f"{deadline.end - args.stop_before_deadline:.1f}"]
+    if stop_at is not None:
+        out += ["--stop-at-time", f"{stop_at:.1f}"]
     return out
 
 
@@ -117,9 +130,8 @@ def run(args) -> int:
     if args.stop_after < 0 or (args.stop_after and args.stop_after >= args.steps):
         raise SystemExit(f"accuracy: --stop-after must be 0 (none) or 1 .. {args.steps - 1} (below --steps), got "
                          f"{args.stop_after}")
-    if args.stop_before_deadline < 0 or (args.stop_before_deadline and not (args.checkpoint_root and args.deadline)):
-        raise SystemExit(f"accuracy: --stop-before-deadline must be >= 0 and needs --checkpoint-root and --deadline, "
-                         f"got {args.stop_before_deadline}")
+    if args.stop_margin < 0 or (args.stop_margin and not args.checkpoint_root):
+        raise SystemExit(f"accuracy: --stop-margin must be >= 0 and needs --checkpoint-root, got {args.stop_margin}")
     if args.checkpoint_root:
         _check_resume_folders(Path(args.checkpoint_root), args)
     cpu = args.cpu or not suite.on_gpu()
@@ -170,11 +182,16 @@ def run(args) -> int:
                         row.update(status="skipped", reason="replica node with one rank per node is refused")
                         rows.append(row)
                         continue
-                    if deadline.left() < 120:  # too little left for start-up and a run
+                    ckpt = Path(args.checkpoint_root) / name if args.checkpoint_root else None
+                    finished = _finished_part(ckpt) if ckpt else None
+                    if finished:   # the same command again after the run ended: nothing left to do
+                        row.update(status="skipped", reason=f"finished in {finished}")
+                        rows.append(row)
+                        continue
+                    if deadline.left() < 120 + args.stop_margin:  # too little left for start-up and a run
                         row.update(status="skipped", reason="the call's --deadline was reached")
                         rows.append(row)
                         continue
-                    ckpt = Path(args.checkpoint_root) / name if args.checkpoint_root else None
                     log_json = ckpt / "log.json" if ckpt else work / f"{name}.json"
                     targs = ["--ds-config", str(v.path()), "--log-json", str(log_json), "--no-progress",
                              "--d-model", str(shape["d_model"]), "--layers", str(shape["layers"]),
@@ -191,13 +208,14 @@ def run(args) -> int:
                     if args.model == "tiny":
                         targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
                     targs += list(args.train_arg)
+                    timeout = min(args.timeout, deadline.left() - 15)
                     if ckpt:
-                        targs += _resume_args(ckpt, args, row, deadline)
+                        stop_at = time.time() + timeout - args.stop_margin if args.stop_margin else None
+                        targs += _resume_args(ckpt, args, row, stop_at)
                     cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
                     row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
                     print(f"[accuracy] {name}", flush=True)
-                    rc, wall = suite.run_process(cmd, env, work / f"{name}.log",
-                                                 min(args.timeout, deadline.left() - 15))
+                    rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
                     row.update(rc=rc, wall_s=round(wall, 1))
                     losses, final = [], {}
                     if log_json.is_file():
@@ -207,9 +225,8 @@ def run(args) -> int:
                         losses = [s["loss"] for s in steps]
                         row["replica"] = log.get("meta", {}).get("sdp4bit_replica")
                         row["resumed_at_step"] = log.get("meta", {}).get("start_step") or None
-                        part = [s for s in steps if s["step"] > (row["resumed_at_step"] or 0)]
-                        if part:  # this call's steps (the first of a fresh start is the slow one)
-                            row["ms_per_step"] = suite.median([s["ms"] for s in part[1:] or part])
+                        if steps:  # every part's steps (the median passes over each part's slow first step)
+                            row["ms_per_step"] = suite.median([s["ms"] for s in steps[1:] or steps])
                         row["steps_done"] = len(steps)
                     ok = rc == 0 and row.get("steps_done") == args.steps
                     stopped = (rc == 0 and final.get("stopped_after") is not None
@@ -221,8 +238,9 @@ def run(args) -> int:
                     row["status"] = ("ok" if ok else "stopped" if stopped
                                      else "timeout" if rc == "timeout" else "failed")
                     if stopped:
-                        row["reason"] = (f"stopped after step {final['stopped_after']} (--stop-after / "
-                                         f"--stop-before-deadline): checkpoint in {ckpt}, the next call goes on")
+                        by = ("--stop-after" if final["stopped_after"] == args.stop_after else "--stop-margin")
+                        row["reason"] = (f"stopped after step {final['stopped_after']} ({by}): checkpoint in {ckpt}, "
+                                         f"the next call goes on")
                         losses = []  # the finished run's row carries every step
                     elif not ok:
                         row["error_tail"] = suite.log_tail(work / f"{name}.log")

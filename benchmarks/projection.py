@@ -21,7 +21,8 @@ The model (per config k: ``zero3``, ``zeropp``, ``sdp4bit/full``, ``sdp4bit/node
 measured rows with a link rate (``--split``: ``alternate`` = every other rate of each model / topology / config;
 ``model:NAME`` = fit on the other models, check on NAME) and checked on the rest: the report gives the largest
 relative error on the check rows and on every row (goal: every measured point within 20%; the cluster
-projection is printed only then, or with ``--force`` marked NOT VALIDATED).
+projection is printed only then, and only when each config it compares has at least 3 fitted rows and a checked
+one; else with ``--force``, marked NOT VALIDATED).
 
 Then, for a user's model size, nodes, GPUs per node and inter-node link rate (Gb/s per node; the intra-node
 level is free unless ``--intra-gbps`` is given), it prints the projected step time of ZeRO-3, ZeRO++ and
@@ -103,8 +104,13 @@ class Point:
 def rate_of(r: dict, link_rows: Sequence[dict]) -> Tuple[Optional[float], str]:
     """The link rate (Gb/s per rank) a throughput row ran at and where it comes from: ``measured (same run)``
     (``e2e --probe-link``), ``measured`` (the newest ``linkrate`` row of its settings and machine, another call),
-    ``measured (N ranks)`` (such a row at another rank count), ``requested`` (the knob's setting), else None."""
+    ``measured (N ranks)`` (such a row at another rank count), ``requested`` (the knob's setting), else None;
+    a row whose own probe failed gets None (no other call's rate stands in for it, as e2e.py records it)."""
+    if r.get("link_probe") is False:
+        return None, "probe failed"
     gbps, src = r.get("link_measured_gbps"), "measured (same run)" if r.get("link_probe") else "measured"
+    if not gbps and link.unshaped(r):
+        return None, "unshaped, not measured in the run"   # the loopback's own rate varies from call to call
     if not gbps:
         m = link.measured_rate(r, link_rows)
         gbps = m["measured_gbps"] if m else None
@@ -344,14 +350,31 @@ def bytes_table(params, nodes, gpus_per_node, link_gbps, replica) -> List[str]:
     return lines
 
 
-def validated(res: dict) -> bool:
-    """The fit may be used for projections: every measured point within the goal, no parameter on its range's
-    edge, and at least one checked row."""
-    return (res.get("max_error") is not None and res["max_error"] <= GOAL and res.get("max_check_error") is not None
-            and not res["fit"].at_bound)
+PROJECTED = ("zero3", "zeropp", "sdp4bit/full", "sdp4bit/node")  # what a projection compares
 
 
-def fit_lines(res: dict) -> List[str]:
+def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
+    """Why the fit may not be used for projections of ``keys`` (empty: it may): every measured point within the
+    goal, no parameter on its range's edge, and for each key more fitted rows than its two own parameters plus
+    a checked row (a config fitted on one or two rows matches them whatever the model)."""
+    out = []
+    if res.get("max_error") is None or res["max_error"] > GOAL:
+        out.append(f"a measured point is off by more than {100 * GOAL:.0f}%")
+    if res["fit"].at_bound:
+        out.append("a parameter lies on its range's edge")
+    checked = {c["key"] for c in res["check_rows"]}
+    for k in keys:
+        n = res["fit"].n_fit.get(k, 0)
+        if n < 3 or k not in checked:
+            out.append(f"{k}: {n} fitted row(s) (3 needed) and {'a' if k in checked else 'no'} checked row")
+    return out
+
+
+def validated(res: dict, keys: Sequence[str] = PROJECTED) -> bool:
+    return not problems(res, keys)
+
+
+def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     f: Fit = res["fit"]
     lines = [f"fit ({res['split']} split; {sum(f.n_fit.values())} rows): link efficiency e = {f.e:.3f}"]
     for k in sorted(f.c):
@@ -374,8 +397,9 @@ def fit_lines(res: dict) -> List[str]:
     if f.at_bound:
         lines.append(f"at the edge of the search range (the best fit lies outside it: the model does not describe "
                      f"these rows): {'; '.join(f.at_bound)}")
-    if not validated(res):
-        lines.append("NOT VALIDATED: projections from this fit are not to be trusted (see above)")
+    if not validated(res, keys):
+        lines.append(f"NOT VALIDATED for {', '.join(keys)}: projections from this fit are not to be trusted: "
+                     + "; ".join(problems(res, keys)))
     for c in res["check_rows"]:
         rel = "not fitted" if c["rel"] is None else f"{100 * c['rel']:+.1f}%"
         lines.append(f"  {c['model']:5} {c['topology']:4} {c['key']:16} {c['gbps']:8.2f} Gb/s ({c['rate_source']}): "
@@ -416,8 +440,9 @@ def main(argv=None):
         print("\n".join(bytes_table(args.params, args.nodes, args.gpus_per_node, args.link_gbps, replica)))
     else:
         f = res["fit"]
-        print("\n".join(fit_lines(res)))
-        out["validated"] = validated(res)
+        keys = ("zero3", "zeropp", f"sdp4bit/{replica}")
+        print("\n".join(fit_lines(res, keys)))
+        out["validated"] = validated(res, keys)
         out["fit"] = f.as_dict()
         out["check_rows"], out["max_check_error"], out["max_error"] = (res["check_rows"], res["max_check_error"],
                                                                       res["max_error"])

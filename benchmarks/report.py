@@ -415,14 +415,15 @@ def projection_md(res: dict, rows: Sequence[dict] = ()) -> str:
 
 
 def _pairs(rows: Sequence[dict], pts: Sequence[projection.Point], base: str):
-    """(sdp4bit point, its row, the baseline row) for every SDP4Bit point with a baseline of the same settings."""
+    """(sdp4bit point, its row, the baseline row) for every SDP4Bit point with a baseline of the same settings;
+    without the knob (the loopback's own rate, which differs from call to call) only a baseline of the same run."""
     by_id = {r.get("row_id"): r for r in rows}
     for p in pts:
         r = by_id.get(p.row_id)
         if r is None or r.get("config") != "sdp4bit":
             continue
         b, _ = baseline(r, rows, base)
-        if b is not None:
+        if b is not None and (not link.unshaped(r) or b.get("run_id") == r.get("run_id")):
             yield p, r, b
 
 
@@ -488,31 +489,29 @@ def rate_png(rows: Sequence[dict], res: dict, png: Path) -> bool:
 
 # ------------------------------------------------------------------------------------------- headline
 
-def _link_cell(r: dict, link_rows: Sequence[dict]) -> str:
+def _link_cell(r: dict) -> str:
+    """The headline's link rate: only one measured in the row's own run (the loopback's rate differs between
+    calls, so another call's rate does not describe this one)."""
     if (r.get("ranks") or 1) < 2:
         return "-"
-    gbps, src = projection.rate_of(r, link_rows)
-    if not gbps:
-        return NM
-    where = ("in the run" if src == "measured (same run)" else
-             src.replace("measured (", "another call, ").rstrip(")") if src.startswith("measured (") else
-             "another call" if src == "measured" else src)
-    return f"{gbps:.2f} ({where})"
+    if r.get("link_probe") and r.get("link_measured_gbps"):
+        return f"{r['link_measured_gbps']:.2f}"
+    return "probe failed" if r.get("link_probe") is False else "not measured in the run"
 
 
-def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict], link_rows: Sequence[dict] = ()) -> str:
+def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
     """The README's headline: the default SDP4Bit config per model x topology against ZeRO-3 and ZeRO++, then
     the default config's loss against ZeRO-3 per accuracy run set (model, ranks, topology, schedule, steps)."""
     best = latest(tp_rows)
     lines = ["| model | topology | SDP4Bit default ms/step | vs ZeRO-3 | vs ZeRO++ | share of the no-communication "
-             "bound | link per rank, Gb/s | machine, mode |", "|---|---|---|---|---|---|---|---|"]
+             "bound | link per rank, Gb/s, in the run | machine, mode |", "|---|---|---|---|---|---|---|---|"]
     for model, topo in HEADLINE_CELLS:
         r = best.get((model, topo, "sdp4bit"))
         if r is None:
             cells, where = [NM, NM, NM, NM, NM], "-"
         else:
             cells = [f"{r['ms_per_step']:.0f}", _ratio(r, tp_rows, "zero3"), _ratio(r, tp_rows, "zeropp"),
-                     _fmt(r.get("bound_fraction"), ".0%", NM), _link_cell(r, link_rows)]
+                     _fmt(r.get("bound_fraction"), ".0%", NM), _link_cell(r)]
             where = f"{r.get('machine')}, {r.get('mode')} ({r.get('commit')})"
         lines.append(f"| {model} | {topo} | " + " | ".join(cells) + f" | {where} |")
     loss = ["| model | ranks | topology | lr schedule | steps | runs (seeds) | train loss vs ZeRO-3, same seed | "
@@ -538,9 +537,10 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict], link_rows: Seque
             "(`*`: across runs). The no-communication bound is the world-1 ZeRO-3 step x the ranks; above 100% "
             "it is no bound: one rank alone leaves the GPU idle between its launches, several ranks fill it. "
             "At 1x1 SDP4Bit is off (nothing to send: plain ZeRO-3), so that row times ZeRO-3 twice and its "
-            "ratio is the run-to-run spread of the machine. The loopback's rate differs between machines of one "
-            "kind, and ZeRO-3's step with it: the link column is NCCL's all-gather rate per rank, measured in the "
-            "row's own run (`e2e --probe-link`) or in another call on the same kind of machine.\n\n"
+            "ratio is the run-to-run spread of the machine. The loopback's rate is not the same from call to call, "
+            "nor ZeRO-3's step (see the support table), so ratios across runs (`*`) compare different links; "
+            "the link column is NCCL's all-gather rate per rank measured inside the row's own run "
+            "(`e2e --probe-link`), where it was.\n\n"
             + "\n".join(lines) + "\n\n"
             "Loss of the default config against ZeRO-3 (mean of the last 50 train losses; each seed against "
             "ZeRO-3's runs of the same seed, their mean first; ZeRO-3's own spread over its runs beside it, "
@@ -586,7 +586,7 @@ def run(args) -> int:
         if not args.no_png and rate_png(tp, res, d / "speedup_vs_rate.png"):
             written.append("speedup_vs_rate.png")
     if not args.no_readme:
-        README.write_text(replace_between(README.read_text(), headline(tp, acc, link_rows)))
+        README.write_text(replace_between(README.read_text(), headline(tp, acc)))
         written.append(str(README))
     print("report: wrote " + ", ".join(written) + f" (in {d})")
     return 0
@@ -621,4 +621,8 @@ def run_merge(args) -> int:
             continue
         suite.merge_rows(d / targets[q], rows)
         print(f"merge: {f}: {len(rows)} rows -> {d / targets[q]}")
+        probes = doc.get("link_probes") if isinstance(doc, dict) else None
+        if probes:  # e2e --probe-link: the rates its rows name in link_measured_source
+            suite.merge_rows(d / "linkrate.json", probes)
+            print(f"merge: {f}: {len(probes)} link probe rows -> {d / 'linkrate.json'}")
     return 0

@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks import report, suite  # noqa: E402
+from benchmarks import projection, report, suite  # noqa: E402
 
 
 def _suite(args, tmp_path):
@@ -104,16 +104,20 @@ def test_e2e_and_report_on_cpu(tmp_path):
     t2 = report.throughput_table(rows + [late, ok, gone])
     assert "1x2 zero3" not in t2 and "2x1 sdp4bit:full: timeout" not in t2
     head = report.headline(rows, [])
-    # the link column: the rate of the row's own run (e2e --probe-link), of another call's linkrate row, or none
+    # the link column: only a rate measured inside the row's own run (e2e --probe-link)
     full = by[("2x1", "sdp4bit:full")]
-    assert report._link_cell(full, []) == f"{full['link_measured_gbps']:.2f} (in the run)"
-    sdp = dict(full, link_measured_gbps=None, link_probe=None)
-    assert report._link_cell(sdp, []) == "not measured"
-    other = {"kind": "nccl", "op": "all_gather", "status": "ok", "ranks": 4, "measured_gbps": 7.17,
-             "machine": sdp["machine"]}   # unshaped, as the row
-    assert report._link_cell(dict(sdp, ranks=4), [other]) == "7.17 (another call)"
-    assert report._link_cell(dict(sdp, ranks=2), [other]) == "7.17 (another call, 4 ranks)"
-    assert report._link_cell(dict(sdp, ranks=2, link_gbps=5), [other]) == "5.00 (requested)"
+    assert report._link_cell(full) == f"{full['link_measured_gbps']:.2f}" and full["link_measured_gbps"] > 0
+    assert report._link_cell(dict(full, link_probe=None)) == "not measured in the run"
+    assert report._link_cell(dict(full, link_probe=False, link_measured_gbps=None)) == "probe failed"
+    # the fit's rate: another call's linkrate row stands in only where the knob set the rate (it binds), never
+    # for the loopback's own rate, nor for a row whose own probe failed
+    other = {"kind": "nccl", "op": "all_gather", "status": "ok", "ranks": 2, "measured_gbps": 1.7,
+             "machine": full["machine"]}
+    bare = dict(full, link_probe=None, link_measured_gbps=None)
+    assert projection.rate_of(bare, [other]) == (None, "unshaped, not measured in the run")
+    assert projection.rate_of(dict(bare, link_gbps=2), [dict(other, link_gbps=2)]) == (1.7, "measured")
+    assert projection.rate_of(dict(bare, link_gbps=2), []) == (2, "requested")
+    assert projection.rate_of(dict(bare, link_probe=False), [other]) == (None, "probe failed")
     # the speed table (header + a row per cell) and the loss table (header + "not measured": no accuracy rows)
     assert "not measured" in head and head.count("\n| ") == len(report.HEADLINE_CELLS) + 1 + 2
     text = report.replace_between(f"a\n{report.BEGIN}\nold\n{report.END}\nb", head)
@@ -145,22 +149,26 @@ def test_accuracy_replay_matches_real_zero3(tmp_path):
 def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     """A run longer than one GPU call: --stop-after leaves a checkpoint, the same command goes on from it, and the
     finished row's losses are those of the run done in one go (the schedule is that of --steps throughout).
-    --stop-before-deadline stops by the clock instead: its stop time is already near when the run starts, so it
-    stops after its first step, on every rank at once."""
+    --stop-margin stops by the clock instead: a margin as long as the run's timeout puts its stop time at its
+    start, so it stops after its first step (on the last step: it finishes).  A finished run is not run again."""
     common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "sdp4bit",
               "--seeds", "2", "--schedules", "cosine", "--steps", "6", "--seq", "64", "--micro-batch", "2",
               "--lr", "3e-3", "--eval-batches", "2"]
     whole, split, ckpt = tmp_path / "whole", tmp_path / "split", tmp_path / "ckpt"
     _suite(common + ["--out", str(whole)], tmp_path)
-    for stop in (["--stop-after", "2"], ["--deadline", "300", "--stop-before-deadline", "299"], []):
+    clock = ["--timeout", "600", "--stop-margin", "600"]
+    for stop in (["--stop-after", "2"], clock, ["--stop-after", "5"], clock, clock):
         _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt)] + stop, tmp_path)
     (a,) = json.loads((whole / "accuracy.json").read_text())
     rows = json.loads((split / "accuracy.json").read_text())
-    assert [r["status"] for r in rows] == ["stopped", "stopped", "ok"]
-    assert [r.get("resumed_at_step") for r in rows] == [None, 2, 3]
-    assert [r.get("steps_done") for r in rows] == [2, 3, 6] and "stopped after step 3" in rows[1]["reason"]
-    b = rows[-1]
-    assert b["earlier_parts"] == [r["row_id"] for r in rows[:2]] and b["steps_done"] == 6
+    assert [r["status"] for r in rows] == ["stopped", "stopped", "stopped", "ok", "skipped"]
+    assert [r.get("resumed_at_step") for r in rows[:4]] == [None, 2, 3, 5]
+    assert [r.get("steps_done") for r in rows[:4]] == [2, 3, 5, 6]
+    assert "(--stop-margin)" in rows[1]["reason"] and "(--stop-after)" in rows[2]["reason"]
+    assert "--stop-at-time" in rows[1]["command"] and "--stop-at-time" not in rows[0]["command"]
+    b = rows[3]
+    assert rows[4]["reason"] == f"finished in {b['row_id']}" and "command" not in rows[4]
+    assert b["earlier_parts"] == [r["row_id"] for r in rows[:3]] and b["heldout_loss"] is not None
     assert "train_loss" not in rows[0] and "--stop-after 2" in rows[0]["command"]
     la = json.loads((whole / "accuracy_steps.json").read_text())[a["row_id"]]
     lb = json.loads((split / "accuracy_steps.json").read_text())
@@ -169,17 +177,15 @@ def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
     assert b["heldout_loss"] == pytest.approx(a["heldout_loss"], rel=1e-6)
     parts = json.loads(next(ckpt.glob("*/parts.json")).read_text())["parts"]
-    assert [p["status"] for p in parts] == ["stopped", "stopped", "ok"] and all(p["command"] for p in parts)
-    # a folder left by other arguments is refused before any run starts, naming it; so is a bad --stop-after
+    assert [p["status"] for p in parts] == ["stopped", "stopped", "stopped", "ok"] and all(p["command"] for p in parts)
+    # a folder left by other arguments is refused before any run starts, naming it; so are bad stop arguments
     other = [x if x != "3e-3" else "1e-3" for x in common]
     with pytest.raises(AssertionError, match="holds a run of other arguments"):
         _suite(other + ["--out", str(split), "--checkpoint-root", str(ckpt)], tmp_path)
     with pytest.raises(AssertionError, match="--stop-after must be 0"):
         _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt), "--stop-after", "-2"], tmp_path)
-    with pytest.raises(AssertionError, match="--stop-before-deadline must be >= 0 and needs --checkpoint-root and "
-                                             "--deadline"):
-        _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt), "--stop-before-deadline", "60"],
-               tmp_path)
+    with pytest.raises(AssertionError, match="--stop-margin must be >= 0 and needs --checkpoint-root"):
+        _suite(common + ["--out", str(split), "--stop-margin", "60"], tmp_path)
 
 
 def test_refresh_layout_is_deepspeeds():

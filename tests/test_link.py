@@ -374,3 +374,14 @@ def test_projection_is_withheld_unless_the_fit_is_validated(tmp_path, capsys):
     projection.main(argv + ["--force"])
     out = capsys.readouterr().out
     assert "*** NOT VALIDATED (--force)" in out and "Projection for 1.30B parameters" in out
+
+
+def test_a_config_fitted_on_too_few_rows_does_not_validate():
+    # two rows of ZeRO++ fit its two parameters exactly whatever the model: no projection may rest on them
+    rows, link_rows = _synthetic_rows()
+    few = [r for r in rows if r["config"] != "zeropp" or (r["model"] == "406M" and r["link_gbps"] in RATES[:2])]
+    res = projection.fit_and_check(few, link_rows)
+    assert res["max_error"] < 1e-3 and res["fit"].n_fit["zeropp"] <= 2
+    assert projection.validated(res, ("zero3", "sdp4bit/full"))
+    assert not projection.validated(res, ("zero3", "zeropp", "sdp4bit/full"))
+    assert any(p.startswith("zeropp: ") and "(3 needed)" in p for p in projection.problems(res, ("zeropp",)))
