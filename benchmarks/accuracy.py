@@ -187,6 +187,8 @@ def run(args) -> int:
                     if finished:   # the same command again after the run ended: nothing left to do
                         row.update(status="skipped", reason=f"finished in {finished}")
                         rows.append(row)
+                        if replay:
+                            done_replay.add((schedule, seed, world))
                         continue
                     if deadline.left() < 120 + args.stop_margin:  # too little left for start-up and a run
                         row.update(status="skipped", reason="the call's --deadline was reached")
@@ -211,6 +213,10 @@ def run(args) -> int:
                     timeout = min(args.timeout, deadline.left() - 15)
                     if ckpt:
                         stop_at = time.time() + timeout - args.stop_margin if args.stop_margin else None
+                        if stop_at is not None and timeout - args.stop_margin < 60:
+                            print(f"[accuracy] {name}: warning: --stop-margin {args.stop_margin:g} leaves "
+                                  f"{timeout - args.stop_margin:.0f} s before the stop (start-up included): "
+                                  f"it will stop after its first step", flush=True)
                         targs += _resume_args(ckpt, args, row, stop_at)
                     cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
                     row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)

@@ -12,7 +12,8 @@ The model (per config k: ``zero3``, ``zeropp``, ``sdp4bit/full``, ``sdp4bit/node
 * ``X``: bytes one rank sends per step (the rows' ``wire_bytes_total``; at scale the bytes crossing one node's
   link, ``deepspeed_sdp4bit/step_bytes.py``) x 8 / the link rate.  In share-GPU mode every byte of every level
   goes over the rank's own (shaped) TCP link; the rate is the one ``linkrate`` measured for that setting
-  (``link_measured_gbps``), else the requested one (said so).  ``e``: the fraction of that rate the training's
+  (``link_measured_gbps``), else the requested one (said so); a row without the knob counts only with the rate
+  measured inside its own run (``e2e --probe-link``): the loopback's own rate differs from call to call.  ``e``: the fraction of that rate the training's
   collectives get, one for all configs.
 * ``phi_k`` in [0, 1]: the overlap, the share of the shorter of compute and communication hidden under the
   longer one.
@@ -109,8 +110,8 @@ def rate_of(r: dict, link_rows: Sequence[dict]) -> Tuple[Optional[float], str]:
     if r.get("link_probe") is False:
         return None, "probe failed"
     gbps, src = r.get("link_measured_gbps"), "measured (same run)" if r.get("link_probe") else "measured"
-    if not gbps and link.unshaped(r):
-        return None, "unshaped, not measured in the run"   # the loopback's own rate varies from call to call
+    if not gbps and not r.get("link_gbps"):   # the loopback's own rate (no knob rate) varies from call to call
+        return None, "no rate set by the knob, none measured in the run"
     if not gbps:
         m = link.measured_rate(r, link_rows)
         gbps = m["measured_gbps"] if m else None
@@ -135,7 +136,7 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point]
             continue
         gbps, src = rate_of(r, link_rows)
         if not gbps:
-            skipped.append(f"{r.get('row_id')}: unshaped and no linkrate measurement of that setting")
+            skipped.append(f"{r.get('row_id')}: {src}")
             continue
         out.append(Point(fit_key(r), r["model"], r["topology"], float(r["bound_ms"]), float(r["wire_bytes_total"]),
                          float(gbps), src, float(r["ms_per_step"]), r.get("row_id", ""), r.get("link_gbps")))
@@ -355,8 +356,9 @@ PROJECTED = ("zero3", "zeropp", "sdp4bit/full", "sdp4bit/node")  # what a projec
 
 def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     """Why the fit may not be used for projections of ``keys`` (empty: it may): every measured point within the
-    goal, no parameter on its range's edge, and for each key more fitted rows than its two own parameters plus
-    a checked row (a config fitted on one or two rows matches them whatever the model)."""
+    goal, no parameter on its range's edge (both over every config: the link efficiency is shared), and for each
+    key more fitted rows than its two own parameters plus a checked row (a config fitted on one or two rows
+    matches them whatever the model)."""
     out = []
     if res.get("max_error") is None or res["max_error"] > GOAL:
         out.append(f"a measured point is off by more than {100 * GOAL:.0f}%")
@@ -365,8 +367,9 @@ def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     checked = {c["key"] for c in res["check_rows"]}
     for k in keys:
         n = res["fit"].n_fit.get(k, 0)
-        if n < 3 or k not in checked:
-            out.append(f"{k}: {n} fitted row(s) (3 needed) and {'a' if k in checked else 'no'} checked row")
+        why = ([f"{n} fitted row(s), 3 needed"] if n < 3 else []) + (["no checked row"] if k not in checked else [])
+        if why:
+            out.append(f"{k}: " + ", ".join(why))
     return out
 
 

@@ -416,14 +416,14 @@ def projection_md(res: dict, rows: Sequence[dict] = ()) -> str:
 
 def _pairs(rows: Sequence[dict], pts: Sequence[projection.Point], base: str):
     """(sdp4bit point, its row, the baseline row) for every SDP4Bit point with a baseline of the same settings;
-    without the knob (the loopback's own rate, which differs from call to call) only a baseline of the same run."""
+    without a knob rate (the loopback's own rate, which differs from call to call) only a baseline of the same run."""
     by_id = {r.get("row_id"): r for r in rows}
     for p in pts:
         r = by_id.get(p.row_id)
         if r is None or r.get("config") != "sdp4bit":
             continue
         b, _ = baseline(r, rows, base)
-        if b is not None and (not link.unshaped(r) or b.get("run_id") == r.get("run_id")):
+        if b is not None and (r.get("link_gbps") or b.get("run_id") == r.get("run_id")):
             yield p, r, b
 
 

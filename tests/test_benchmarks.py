@@ -114,7 +114,7 @@ def test_e2e_and_report_on_cpu(tmp_path):
     other = {"kind": "nccl", "op": "all_gather", "status": "ok", "ranks": 2, "measured_gbps": 1.7,
              "machine": full["machine"]}
     bare = dict(full, link_probe=None, link_measured_gbps=None)
-    assert projection.rate_of(bare, [other]) == (None, "unshaped, not measured in the run")
+    assert projection.rate_of(bare, [other]) == (None, "no rate set by the knob, none measured in the run")
     assert projection.rate_of(dict(bare, link_gbps=2), [dict(other, link_gbps=2)]) == (1.7, "measured")
     assert projection.rate_of(dict(bare, link_gbps=2), []) == (2, "requested")
     assert projection.rate_of(dict(bare, link_probe=False), [other]) == (None, "probe failed")
@@ -186,6 +186,20 @@ def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
         _suite(common + ["--out", str(split), "--checkpoint-root", str(ckpt), "--stop-after", "-2"], tmp_path)
     with pytest.raises(AssertionError, match="--stop-margin must be >= 0 and needs --checkpoint-root"):
         _suite(common + ["--out", str(split), "--stop-margin", "60"], tmp_path)
+
+
+def test_a_finished_replay_is_not_run_again_for_another_topology(tmp_path):
+    """The replay stands for every topology of its rank count; sent again after it finished, the command runs
+    nothing (it neither re-runs it nor starts it afresh under the next topology's name)."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cmd = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "4x1", "--configs", "zero3:replay",
+           "--seeds", "1", "--steps", "2", "--seq", "64", "--micro-batch", "2", "--eval-batches", "1",
+           "--out", str(out), "--checkpoint-root", str(ckpt)]
+    for _ in range(2):
+        _suite(cmd, tmp_path)
+    rows = json.loads((out / "accuracy.json").read_text())
+    assert [r["status"] for r in rows] == ["ok", "skipped"] and rows[1]["reason"] == f"finished in {rows[0]['row_id']}"
+    assert len(list(ckpt.glob("*/parts.json"))) == 1
 
 
 def test_refresh_layout_is_deepspeeds():
