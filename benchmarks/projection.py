@@ -13,8 +13,8 @@ The model (per config k: ``zero3``, ``zeropp``, ``sdp4bit/full``, ``sdp4bit/node
   link, ``deepspeed_sdp4bit/step_bytes.py``) x 8 / the link rate.  In share-GPU mode every byte of every level
   goes over the rank's own (shaped) TCP link; the rate is the one ``linkrate`` measured for that setting
   (``link_measured_gbps``), else the requested one (said so); a row without the knob counts only with the rate
-  measured inside its own run (``e2e --probe-link``): the loopback's own rate differs from call to call.  ``e``: the fraction of that rate the training's
-  collectives get, one for all configs.
+  measured inside its own run (``e2e --probe-link``): the loopback's own rate differs from call to call.
+  ``e``: the fraction of that rate the training's collectives get, one for all configs.
 * ``phi_k`` in [0, 1]: the overlap, the share of the shorter of compute and communication hidden under the
   longer one.
 
@@ -112,13 +112,13 @@ def rate_of(r: dict, link_rows: Sequence[dict]) -> Tuple[Optional[float], str]:
     gbps, src = r.get("link_measured_gbps"), "measured (same run)" if r.get("link_probe") else "measured"
     if not gbps and not r.get("link_gbps"):   # the loopback's own rate (no knob rate) varies from call to call
         return None, "no rate set by the knob, none measured in the run"
-    if not gbps:
+    if not gbps:   # a knob rate: what linkrate measured for that setting, else the setting itself
         m = link.measured_rate(r, link_rows)
         gbps = m["measured_gbps"] if m else None
         if m and m.get("ranks") != r.get("ranks"):
             src = f"measured ({m.get('ranks')} ranks)"   # no linkrate row at this rank count
-    if not gbps and r.get("link_gbps"):
-        gbps, src = r["link_gbps"], "requested"
+        if not gbps:
+            gbps, src = r["link_gbps"], "requested"
     return gbps, src
 
 

@@ -69,10 +69,11 @@ class WeightsConfig(_Strict):
     # modules; each piece is quantized, exchanged and applied on its own (its own quantization groups), so
     # the exchange buffers hold one piece, not a whole sub-group.  Full replica, with ``overlap``: the pieces
     # run on a side stream and a module's forward waits only for the pieces holding the parameters below it
-    # (as FSDP2 prefetches), so the next forward starts before the whole exchange has arrived; without it the refresh completes inside ``step()``.  Off by default: with 4 ranks
-    # sharing one GPU over sockets it measured 0.95-1.26x the step time of the refresh inside step() (README's
-    # support table); it stays an opt-in until it is measured on one process per GPU.  The node replica is
-    # always refreshed inside ``step()`` (DeepSpeed's own gathers read it, prefetching ahead of the forward).
+    # (as FSDP2 prefetches), so the next forward starts before the whole exchange has arrived; without it the
+    # refresh completes inside ``step()``.  Off by default: with 4 ranks sharing one GPU over sockets it
+    # measured 0.95-1.26x the step time of the refresh inside step() (README's support table); it stays an
+    # opt-in until it is measured on one process per GPU.  The node replica is always refreshed inside
+    # ``step()`` (DeepSpeed's own gathers read it, prefetching ahead of the forward).
     pieces: int = Field(16, ge=1, le=256)
     overlap: bool = False
 
