@@ -270,6 +270,10 @@ def run(args) -> int:
                 row.update(_summarize(log_json, warmup, v, world, gpn))
                 if gbps is not None or delay:
                     row["link_stats"] = link.stats_summary(link.read_stats(stats_dir))
+                    short = link.uncounted(row)
+                    if short:
+                        row["link_stats_short"] = short
+                        print(f"[e2e] {name}: WARNING {short}", flush=True)
                 m = probed
                 if m is not None:
                     row["link_probe"] = True

@@ -225,6 +225,24 @@ def stats_summary(stats: Sequence[dict]) -> Optional[dict]:
             "gbps": stats[0].get("gbps")}
 
 
+def uncounted(row: dict) -> Optional[str]:
+    """Why the shim's count on a shaped e2e ``row`` cannot have seen the run's traffic, or None when it can.
+
+    Every byte a rank sends in this mode goes through a socket, so the busiest process's count must reach at least
+    one step's ``wire_bytes_per_step`` (the run took several steps). A count below that means the ranks' sends
+    went past the shim or their counts were not written (ranks that leave through ``os._exit`` skip the
+    destructors: the shim writes from its ``_exit`` too since this check exists).
+    """
+    wire = sum(v for v in (row.get("wire_bytes_per_step") or {}).values() if isinstance(v, (int, float)))
+    if not wire or row.get("status") != "ok":
+        return None
+    counted = (row.get("link_stats") or {}).get("bytes_max") or 0
+    if counted >= wire:
+        return None
+    return (f"the link shim counted {counted} bytes in the busiest process, less than one step's {wire} bytes on "
+            f"the wire: its count does not cover this run's traffic")
+
+
 def settings_of(row: dict) -> tuple:
     """What a row's link was asked to be: (link_gbps, NCCL socket threads, sockets per thread, one-way delay us)."""
     return (row.get("link_gbps"), row.get("nccl_socket_nthreads"), row.get("nccl_nsocks_perthread"),

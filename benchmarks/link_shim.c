@@ -206,9 +206,11 @@ __attribute__((constructor)) static void shim_init(void) {
 
 static void drain_all(int64_t timeout_ns);
 
-__attribute__((destructor)) static void shim_fini(void) {
-    if (delay_on) drain_all(10000000000LL);
-    if ((!active && !delay_on) || !stats_dir[0]) return;
+/* The process's count, once, from whichever end comes first: the destructors (a normal exit) or _exit below
+ * (os._exit, as the training scripts leave through examples/shutdown.py; multiprocessing's children). */
+static void write_stats(void) {
+    static int written;
+    if ((!active && !delay_on) || !stats_dir[0] || __atomic_exchange_n(&written, 1, __ATOMIC_RELAXED)) return;
     char path[PATH_MAX + 64], buf[1024];
     snprintf(path, sizeof path, "%s/link_%d.json", stats_dir, (int)getpid());
     int n = snprintf(buf, sizeof buf,
@@ -225,6 +227,11 @@ __attribute__((destructor)) static void shim_fini(void) {
         fwrite(buf, 1, (size_t)n, f);
         fclose(f);
     }
+}
+
+__attribute__((destructor)) static void shim_fini(void) {
+    if (delay_on) drain_all(10000000000LL);
+    write_stats();
 }
 
 /* Exported for tests and for benchmarks/link.py: the configured limit in Gb/s, 0 when inactive. */
@@ -773,6 +780,7 @@ int shutdown(int fd, int how) {
 /* os._exit and multiprocessing's forked children end here, past the destructors: deliver the queues first. */
 void _exit(int status) {
     if (delay_on && writer_started) drain_all(10000000000LL);
+    write_stats();
     syscall(SYS_exit_group, status);
     __builtin_unreachable();
 }

@@ -253,6 +253,31 @@ def check(f: Fit, pts: Sequence[Point]) -> List[dict]:
     return out
 
 
+def repeats(rows: Sequence[dict], pts: Sequence[Point]) -> List[dict]:
+    """Points measured more than once at one knob setting (same model, config, ranks, rate, sockets and delay;
+    the topology too unless the config ignores it), in different runs: the machine's own repeat noise, which
+    bounds how closely any model can match its points. ``{"model", "key", "ranks", "setting", "ms", "gbps",
+    "spread", "floor"}`` with ``spread`` = largest / smallest step time - 1 and ``floor`` the least error (as
+    prediction / measured - 1) one prediction for all of them must have on one: (largest - smallest) / their sum."""
+    by_id = {r.get("row_id"): r for r in rows}
+    groups: Dict[tuple, List[Tuple[Point, dict]]] = {}
+    for p in pts:
+        r = by_id.get(p.row_id)
+        if r is None or r.get("link_gbps") is None:  # unshaped: the loopback's own rate differs from call to call
+            continue
+        topo = None if r.get("topology_independent") else p.topology
+        groups.setdefault((p.model, p.key, r.get("ranks"), topo, link.settings_of(r)), []).append((p, r))
+    out = []
+    for (model, key, ranks, topo, setting), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        if len({r.get("run_id") for _, r in g}) < 2:
+            continue
+        ms = [p.ms for p, _ in g]
+        out.append({"model": model, "key": key, "ranks": ranks, "topology": topo, "setting": setting,
+                    "ms": ms, "gbps": [p.gbps for p, _ in g], "commits": [r.get("commit") for _, r in g],
+                    "spread": max(ms) / min(ms) - 1, "floor": (max(ms) - min(ms)) / (max(ms) + min(ms))})
+    return out
+
+
 def fit_and_check(rows: Sequence[dict], link_rows: Sequence[dict], how: str = "alternate") -> Optional[dict]:
     """Everything the report and the command line need; None when no measured row has a link rate."""
     pts, skipped = points(rows, link_rows)
@@ -268,7 +293,7 @@ def fit_and_check(rows: Sequence[dict], link_rows: Sequence[dict], how: str = "a
     every = errs + [abs(c["rel"]) for c in fitted if c["rel"] is not None]
     return {"fit": f, "split": how, "fit_rows": fitted, "check_rows": checked, "skipped": skipped,
             "max_check_error": max(errs) if errs else None, "max_error": max(every) if every else None,
-            "points": pts}
+            "points": pts, "repeats": repeats(rows, pts)}
 
 
 # ------------------------------------------------------------------------------------------- at scale
@@ -391,8 +416,8 @@ def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     if res["check_rows"]:
         checked = sorted({c["key"] for c in res["check_rows"]})
         unchecked = sorted(set(f.c) - set(checked))
-        lines.append(f"  (checked rows exist for {', '.join(checked)} only"
-                     + (f"; {', '.join(unchecked)}: fitted rows only)" if unchecked else ")"))
+        lines.append(f"  (checked rows exist for {', '.join(checked)}"
+                     + (f" only; {', '.join(unchecked)}: fitted rows only)" if unchecked else ")"))
     if res.get("max_error") is not None:
         ok = "within" if res["max_error"] <= GOAL else "NOT within"
         lines.append(f"every measured point (fitted and checked): largest error {100 * res['max_error']:.1f}% "
@@ -403,6 +428,15 @@ def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     if not validated(res, keys):
         lines.append(f"NOT VALIDATED for {', '.join(keys)}: projections from this fit are not to be trusted: "
                      + "; ".join(problems(res, keys)))
+    for rp in res.get("repeats", ()):
+        gbps, threads, nsocks, delay = rp["setting"]
+        sock = f"{threads or 'default'}x{nsocks or 'default'} sockets" + (f", delay {delay:g} us" if delay else "")
+        lines.append(f"repeat in another run: {rp['model']} {rp['key']} {rp['ranks']} ranks"
+                     + (f" {rp['topology']}" if rp["topology"] else "") + f", knob {gbps:g} Gb/s, {sock}: "
+                     + " / ".join(f"{m:.0f} ms ({g:.2f} Gb/s, {c})" for m, g, c in zip(rp["ms"], rp["gbps"],
+                                                                                   rp["commits"]))
+                     + f": {100 * rp['spread']:.1f}% apart; a model of the rate alone misses one of them by at "
+                       f"least {100 * rp['floor']:.1f}%")
     for c in res["check_rows"]:
         rel = "not fitted" if c["rel"] is None else f"{100 * c['rel']:+.1f}%"
         lines.append(f"  {c['model']:5} {c['topology']:4} {c['key']:16} {c['gbps']:8.2f} Gb/s ({c['rate_source']}): "

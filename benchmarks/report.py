@@ -149,13 +149,12 @@ def throughput_table(rows: Sequence[dict]) -> str:
             "this step time. vs ZeRO-3 / ZeRO++: their ms/step / this ms/step inside the same run (`*`: from "
             "another run on the same machine and mode). wire: bytes one rank sends per step (SDP4Bit's from "
             "`engine.sdp4bit_summary()`, DeepSpeed's by formula, see benchmarks/e2e.py).\n")
-    if failed:
-        note += "\nCells with no finished run: " + "; ".join(
-            f"{r.get('model')} {r.get('topology')} {r.get('variant')}"
-            + ("" if link.unshaped(r) else f" (knob {link.label(r.get('link_gbps'))} Gb/s"
-               + (f", {r['link_delay_us']:g} us" if r.get("link_delay_us") else "") + ")")
-            + f": {r.get('status')}"
-            + (f" ({r.get('reason')})" if r.get("reason") else "") for r in failed) + ".\n"
+    if failed:   # one entry per cell and outcome, however many runs it failed or was skipped in
+        notes = [f"{r.get('model')} {r.get('topology')} {r.get('variant')}"
+                 + ("" if link.unshaped(r) else f" (knob {link.label(r.get('link_gbps'))} Gb/s"
+                    + (f", {r['link_delay_us']:g} us" if r.get("link_delay_us") else "") + ")")
+                 + f": {r.get('status')}" + (f" ({r.get('reason')})" if r.get("reason") else "") for r in failed]
+        note += "\nCells with no finished run: " + "; ".join(dict.fromkeys(notes)) + ".\n"
     return "\n".join(lines) + "\n" + note
 
 
@@ -275,7 +274,34 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
             "their mean first; min-max: the spread over the runs, seeds and repeats of a seed alike (ZeRO-3's is "
             "the noise band; GPU kernels are not deterministic, so repeats of one seed differ). `*`: a run "
             "stopped by its timeout after its last step and final evaluation (its teardown ran late; losses "
-            "complete).\n" + replay_check(rows, losses or {}))
+            "complete).\n" + gap_over_run(rows, losses or {}) + replay_check(rows, losses or {}))
+
+
+def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 1000,
+                 windows: int = 8) -> str:
+    """For runs of ``min_steps`` or more: each config's gap to ZeRO-3 of the same seed (mean train loss over each
+    of ``windows`` equal spans of the run), so a long run shows whether a gap closes or grows. Empty without one."""
+    out = []
+    for (ranks, sched, steps, model), g in sorted(_acc_groups(rows).items(), key=lambda kv: str(kv[0])):
+        if steps < min_steps or "zero3" not in g:
+            continue
+        w = steps // windows
+        for name in sorted(n for n in g if n != "zero3"):
+            for r in g[name]:
+                refs = [losses[z["row_id"]] for z in g["zero3"] if z["seed"] == r["seed"] and z["row_id"] in losses]
+                la = losses.get(r["row_id"])
+                if not refs or not la or min(len(x) for x in refs + [la]) < steps:
+                    continue
+                cells = []
+                for i in range(0, steps - w + 1, w):
+                    ref = _mean([_mean(x[i:i + w]) for x in refs])
+                    cells.append(f"{i + 1}-{i + w}: {100 * (_mean(la[i:i + w]) / ref - 1):+.2f}%")
+                out.append(f"- {model}, {ranks} ranks, {sched} lr, {steps} steps, {name}, seed {r['seed']}: "
+                           + ", ".join(cells))
+    if not out:
+        return ""
+    return ("\nGap over a long run: mean train loss of each span of steps against ZeRO-3's run(s) of the same seed "
+            "over the same span:\n\n" + "\n".join(out) + "\n")
 
 
 def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:
@@ -342,7 +368,7 @@ def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path
             m = min(n, min(len(c) for c in curves))
             ax.plot(xs[:m], [100 * (_mean([c[i] for c in curves]) / ref[i] - 1) for i in range(m)],
                     label=f"{name} ({len(curves)} run{'s' if len(curves) > 1 else ''})", linewidth=1.2)
-        ax.set_title(f"{model}, {ranks} ranks, {sched} lr", fontsize=10)
+        ax.set_title(f"{model}, {ranks} ranks, {sched} lr, {steps} steps", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel(f"train loss vs ZeRO-3 mean, % (moving average {smooth})")
         ax.grid(alpha=0.3)

@@ -190,6 +190,18 @@ def test_delay_line_adds_latency_not_corruption(tmp_path):
 
 
 @needs_cc
+@pytest.mark.parametrize("delay_us", [None, 2000])
+def test_the_count_is_written_when_the_process_leaves_through_os_exit(tmp_path, delay_us):
+    """Training scripts leave through os._exit (examples/shutdown.py), past the destructors: the shim writes its
+    count from its _exit too, under a rate alone (where it once wrote nothing) and with the delay line."""
+    stats = tmp_path / "st"
+    p, got = _stream_to_child(CLOSE_CHILD, link.knob_env(50.0, stats, delay_us=delay_us))
+    assert p.returncode == 0 and p.stdout.strip() == got, p.stderr
+    [st] = link.read_stats(stats)
+    assert st["bytes"] == 3 << 20 and st["gbps"] == 50.0
+
+
+@needs_cc
 @pytest.mark.parametrize("var,value", [("SDP4BIT_LINK_GBPS", "fast"), ("SDP4BIT_LINK_GBPS", "-3"),
                                        ("SDP4BIT_LINK_GBPS", "0"), ("SDP4BIT_LINK_GBPS", "inf"),
                                        ("SDP4BIT_LINK_BURST_KB", "1e"), ("SDP4BIT_LINK_BURST_KB", "0.0001"),
@@ -309,6 +321,26 @@ def test_fit_recovers_known_parameters():
     # a wrong model is caught by the check: the same rows with 1.3B's step times 30% longer
     bad = [dict(r, ms_per_step=r["ms_per_step"] * (1.3 if r["model"] == "1.3B" else 1.0)) for r in rows]
     assert projection.fit_and_check(bad, link_rows, "model:1.3B")["max_check_error"] > 0.2
+
+
+def test_repeats_at_one_setting_state_the_noise_any_model_must_carry():
+    rows, link_rows = _synthetic_rows()
+    assert projection.fit_and_check(rows, link_rows)["repeats"] == []  # one run per setting: nothing repeated
+    a = next(r for r in rows if r["config"] == "zero3" and r["model"] == "406M" and r["link_gbps"] == 5.0)
+    again = dict(a, row_id="syn/again", run_id="syn_again", topology="2x2", topology_independent=True,
+                 ms_per_step=a["ms_per_step"] * 1.5)
+    a["topology_independent"] = True   # ZeRO-3 ignores the node layout: its 4x1 and 2x2 rows are one setting
+    other_sockets = dict(a, row_id="syn/sockets", run_id="syn_sockets", nccl_socket_nthreads=4,
+                         ms_per_step=a["ms_per_step"] * 3)   # another knob setting: not a repeat
+    res = projection.fit_and_check(rows + [again, other_sockets], link_rows)
+    [rp] = res["repeats"]
+    assert rp["key"] == "zero3" and rp["setting"] == (5.0, None, None, None) and len(rp["ms"]) == 2
+    assert abs(rp["spread"] - 0.5) < 1e-9 and abs(rp["floor"] - 0.2) < 1e-9   # (1.5 - 1) / (1.5 + 1)
+    # the floor is what the best single prediction misses both by, in opposite directions
+    best = 2 * a["ms_per_step"] * again["ms_per_step"] / (a["ms_per_step"] + again["ms_per_step"])
+    assert abs(best / a["ms_per_step"] - 1 - rp["floor"]) < 1e-9
+    assert abs(1 - best / again["ms_per_step"] - rp["floor"]) < 1e-9
+    assert any("20.0%" in ln and "repeat in another run" in ln for ln in projection.fit_lines(res))
 
 
 def test_break_even_and_projection():
