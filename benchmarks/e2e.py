@@ -270,10 +270,6 @@ def run(args) -> int:
                 row.update(_summarize(log_json, warmup, v, world, gpn))
                 if gbps is not None or delay:
                     row["link_stats"] = link.stats_summary(link.read_stats(stats_dir))
-                    short = link.uncounted(row)
-                    if short:
-                        row["link_stats_short"] = short
-                        print(f"[e2e] {name}: WARNING {short}", flush=True)
                 m = probed
                 if m is not None:
                     row["link_probe"] = True
@@ -289,6 +285,10 @@ def run(args) -> int:
                 if rc != 0 or row.get("status") != "ok":
                     row["status"] = "failed" if rc != "timeout" else "timeout"
                     row["error_tail"] = suite.log_tail(work / f"{name}.log")
+                short = link.uncounted(row) if "link_stats" in row else None   # ok rows only (a killed run wrote none)
+                if short:
+                    row["link_stats_short"] = short
+                    print(f"[e2e] {name}: WARNING {short}", flush=True)
                 rows.append(row)
                 if row["topology_independent"]:
                     independent[ikey] = row

@@ -255,16 +255,19 @@ def unshaped(row: dict) -> bool:
 
 
 def measured_rate(row: dict, link_rows: Sequence[dict]) -> Optional[dict]:
-    """The newest ok ``linkrate`` collective row measured with ``row``'s link settings on its machine, preferring
-    the same number of ranks, then one of the same run (``e2e --probe-link``), then all-gather; None when there
-    is none (then the requested rate is all we know)."""
+    """The ok ``linkrate`` collective row measured with ``row``'s link settings on its machine, preferring the same
+    number of ranks, then one of the same run (``e2e --probe-link``), then all-gather, then the one measured
+    nearest in time to ``row`` (the loopback differs from call to call: a later call's rate must not stand in for
+    the one an older row had; without times, the newest); None when there is none (then the requested rate is all
+    we know)."""
     cands = [r for r in link_rows if r.get("status") == "ok" and r.get("measured_gbps")
              and r.get("kind") in ("nccl", "gloo") and settings_of(r) == settings_of(row)
              and r.get("machine") == row.get("machine")]
     if not cands:
         return None
+    near = suite.closeness_in_time(row)
     return max(cands, key=lambda r: (r.get("ranks") == row.get("ranks"), r.get("run_id") == row.get("run_id"),
-                                     r.get("op") == "all_gather", r.get("created", "")))
+                                     r.get("op") == "all_gather", near(r)))
 
 
 # ------------------------------------------------------------------------------------------- plain TCP

@@ -143,7 +143,12 @@ static double parse_positive(const char *var, const char *val, int allow_zero) {
     return x;
 }
 
+/* The process these counters and queues belong to. A vfork child (Python's subprocess, whose exec failed, ends in
+ * _exit) shares the parent's memory without running the fork handlers: it must leave without touching them. */
+static pid_t owner_pid;
+
 static void child_after_fork(void) {
+    owner_pid = getpid();
     /* the parent's queued bytes are the parent's to send (its writer thread did not fork) */
     pthread_mutex_init(&qlock, NULL);
     pthread_cond_init(&qroom, NULL);
@@ -160,6 +165,7 @@ static void child_after_fork(void) {
 }
 
 __attribute__((constructor)) static void shim_init(void) {
+    owner_pid = getpid();
     real_send = (send_fn)dlsym(RTLD_NEXT, "send");
     real_sendto = (sendto_fn)dlsym(RTLD_NEXT, "sendto");
     real_sendmsg = (sendmsg_fn)dlsym(RTLD_NEXT, "sendmsg");
@@ -779,6 +785,7 @@ int shutdown(int fd, int how) {
 
 /* os._exit and multiprocessing's forked children end here, past the destructors: deliver the queues first. */
 void _exit(int status) {
+    if (getpid() != owner_pid) syscall(SYS_exit_group, status);  /* a vfork child: the parent's state, not its own */
     if (delay_on && writer_started) drain_all(10000000000LL);
     write_stats();
     syscall(SYS_exit_group, status);

@@ -255,10 +255,12 @@ def check(f: Fit, pts: Sequence[Point]) -> List[dict]:
 
 def repeats(rows: Sequence[dict], pts: Sequence[Point]) -> List[dict]:
     """Points measured more than once at one knob setting (same model, config, ranks, rate, sockets and delay;
-    the topology too unless the config ignores it), in different runs: the machine's own repeat noise, which
-    bounds how closely any model can match its points. ``{"model", "key", "ranks", "setting", "ms", "gbps",
-    "spread", "floor"}`` with ``spread`` = largest / smallest step time - 1 and ``floor`` the least error (as
-    prediction / measured - 1) one prediction for all of them must have on one: (largest - smallest) / their sum."""
+    the topology too unless the config ignores it; same machine kind, mode, micro-batch and sequence), in
+    different runs: the machine's own repeat noise, which bounds how closely any model of the rate can match its
+    points (their measured rates are printed beside them: the bound holds as far as those agree).
+    ``{"model", "key", "ranks", "setting", "ms", "gbps", "spread", "floor"}`` with ``spread`` = largest / smallest
+    step time - 1 and ``floor`` the least error (as prediction / measured - 1) one prediction for all of them must
+    have on one: (largest - smallest) / their sum."""
     by_id = {r.get("row_id"): r for r in rows}
     groups: Dict[tuple, List[Tuple[Point, dict]]] = {}
     for p in pts:
@@ -266,9 +268,10 @@ def repeats(rows: Sequence[dict], pts: Sequence[Point]) -> List[dict]:
         if r is None or r.get("link_gbps") is None:  # unshaped: the loopback's own rate differs from call to call
             continue
         topo = None if r.get("topology_independent") else p.topology
-        groups.setdefault((p.model, p.key, r.get("ranks"), topo, link.settings_of(r)), []).append((p, r))
+        same = (r.get("machine"), r.get("mode"), r.get("micro_batch"), r.get("seq"))
+        groups.setdefault((p.model, p.key, r.get("ranks"), topo, link.settings_of(r), same), []).append((p, r))
     out = []
-    for (model, key, ranks, topo, setting), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (model, key, ranks, topo, setting, _), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
         if len({r.get("run_id") for _, r in g}) < 2:
             continue
         ms = [p.ms for p, _ in g]

@@ -74,7 +74,8 @@ def latest(rows: Sequence[dict]) -> Dict[Tuple[str, str, str], dict]:
 
 
 def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict], bool]:
-    """The ``config`` row to compare ``r`` with: same run if it has one (True), else the newest same-machine one.
+    """The ``config`` row to compare ``r`` with: same run if it has one (True), else the same-machine one measured
+    nearest in time to ``r`` (False).
 
     A row marked ``topology_independent`` (its command does not depend on the node layout: ZeRO-3 and ZeRO++ in
     share-GPU mode) stands for every topology with the same number of ranks.
@@ -87,7 +88,7 @@ def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict]
     if in_run:
         return in_run[-1], True
     other = [b for b in same if b.get("machine") == r.get("machine") and b.get("mode") == r.get("mode")]
-    return (max(other, key=lambda b: b.get("created", "")), False) if other else (None, False)
+    return (max(other, key=suite.closeness_in_time(r)), False) if other else (None, False)
 
 
 def _ratio(r: dict, rows: Sequence[dict], config: str) -> str:
@@ -215,6 +216,12 @@ def _acc_groups(rows: Sequence[dict]):
     return groups
 
 
+def _acc_order(item) -> tuple:
+    """Order of ``_acc_groups`` items: model, ranks, schedule, then steps as numbers (500 before 2000)."""
+    ranks, sched, steps, model = item[0]
+    return str(model), ranks or 0, str(sched), steps or 0
+
+
 def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
@@ -248,7 +255,7 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
     lines = _header("model", "ranks", "schedule", "steps", "config", "topology", "runs (seed each)",
                     "train loss (last 50), mean", "min-max", "vs ZeRO-3 mean", "vs ZeRO-3, same seed",
                     "held-out", "held-out vs ZeRO-3, same seed", "machine", "commit")
-    for (ranks, sched, steps, model), g in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for (ranks, sched, steps, model), g in sorted(groups.items(), key=_acc_order):
         ref = g.get("zero3")
         ref_mean = _mean([r["train_loss"] for r in ref]) if ref else None
         for name in sorted(g, key=lambda n: (n != "zero3", n)):
@@ -282,7 +289,7 @@ def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
     """For runs of ``min_steps`` or more: each config's gap to ZeRO-3 of the same seed (mean train loss over each
     of ``windows`` equal spans of the run), so a long run shows whether a gap closes or grows. Empty without one."""
     out = []
-    for (ranks, sched, steps, model), g in sorted(_acc_groups(rows).items(), key=lambda kv: str(kv[0])):
+    for (ranks, sched, steps, model), g in sorted(_acc_groups(rows).items(), key=_acc_order):
         if steps < min_steps or "zero3" not in g:
             continue
         w = steps // windows
@@ -349,7 +356,7 @@ def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.5), squeeze=False)
-    for ax, ((ranks, sched, steps, model), g) in zip(axes[0], sorted(groups.items(), key=lambda kv: str(kv[0]))):
+    for ax, ((ranks, sched, steps, model), g) in zip(axes[0], sorted(groups.items(), key=_acc_order)):
         ref_curves = [_smooth(losses[r["row_id"]], smooth) for r in g["zero3"] if r["row_id"] in losses]
         if not ref_curves:
             continue
@@ -475,7 +482,7 @@ def rate_png(rows: Sequence[dict], res: dict, png: Path) -> bool:
     for c in projection.PAPER_CLUSTERS:
         lo, hi = min(lo, c["node_gbps"] / c["gpus_per_node"] / 2), max(hi, c["node_gbps"] / c["gpus_per_node"] * 2)
     xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=False)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 6.0), sharey=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (ax, base) in enumerate(zip(axes, ("ZeRO-3", "ZeRO++"))):
         for j, (name, s) in enumerate(sorted(series.items())):
@@ -496,10 +503,11 @@ def rate_png(rows: Sequence[dict], res: dict, png: Path) -> bool:
                     fontsize=7, va="top")
         ax.axhline(1.0, color="k", linewidth=0.8)
         ax.set_xscale("log")
-        ax.set_xlabel("link rate per rank, Gb/s (measured by linkrate for the knob's setting)")
+        ax.set_xlabel("link rate per rank, Gb/s (measured in the run, else by linkrate)")
         ax.set_ylabel(f"SDP4Bit speed-up vs {base} (step time ratio)")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=7)
+        # below the axes: inside, it covered points and the paper's rate label
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, frameon=False)
     machines = sorted({str(r.get("machine")) for r in rows if r.get("link_gbps")})
     fig.suptitle(f"{', '.join(machines)}; share-GPU mode (each rank its own host, all levels over its shaped TCP "
                  f"link)\nmodel: benchmarks/projection.py{'' if ok else ' (NOT VALIDATED)'}, largest error "
@@ -542,7 +550,7 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
         lines.append(f"| {model} | {topo} | " + " | ".join(cells) + f" | {where} |")
     loss = ["| model | ranks | topology | lr schedule | steps | runs (seeds) | train loss vs ZeRO-3, same seed | "
             "held-out vs ZeRO-3, same seed | ZeRO-3 runs: spread | machine |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for (ranks, sched, steps, model), g in sorted(_acc_groups(acc_rows).items(), key=lambda kv: str(kv[0])):
+    for (ranks, sched, steps, model), g in sorted(_acc_groups(acc_rows).items(), key=_acc_order):
         ref = g.get("zero3")
         if not ref:
             continue

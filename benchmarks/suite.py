@@ -386,6 +386,24 @@ def finished_training(row: dict) -> bool:
             and row.get("steps_done") == row.get("steps") and row.get("heldout_loss") is not None)
 
 
+def closeness_in_time(row: dict):
+    """A sort key for rows measured to stand in for ``row`` (a baseline, a link rate from another call): larger
+    for one measured nearer in time to ``row`` (``created``); without ``row``'s time, larger for the newer. The
+    machines' loopback differs from call to call, so the nearest measurement is the likeliest to share its link."""
+    def when(r: dict) -> Optional[float]:
+        try:
+            return _dt.datetime.fromisoformat(str(r.get("created"))).timestamp()
+        except ValueError:
+            return None
+
+    t = when(row)
+
+    def key(c: dict) -> float:
+        tc = when(c)
+        return float("-inf") if tc is None else (tc if t is None else -abs(tc - t))
+    return key
+
+
 def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)

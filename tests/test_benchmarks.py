@@ -105,6 +105,8 @@ def test_e2e_and_report_on_cpu(tmp_path):
     ok = dict(by[("1x1", "zero3")], topology="2x1", ranks=2, topology_independent=True, row_id="x/ok")
     gone = dict(ok, topology="1x2", status="failed", row_id="x/gone")
     assert "1x2 zero3" in report.throughput_table(rows + [gone])
+    # the same cell failed the same way in two runs: named once
+    assert report.throughput_table(rows + [gone, dict(gone, row_id="x/gone2")]).count("1x2 zero3: failed") == 1
     t2 = report.throughput_table(rows + [late, ok, gone])
     assert "1x2 zero3" not in t2 and "2x1 sdp4bit:full: timeout" not in t2
     head = report.headline(rows, [])
@@ -266,6 +268,24 @@ def test_accuracy_table_pairs_seeds_and_counts_runs_finished_before_their_timeou
     head = report.headline([], [dict(r, default=r["variant"] == "sdp4bit") for r in rows])
     assert "| 86M | 4 | 2x2 | cosine | 500 | 2 (1,2) | +0.50% (+1.00%, +0.00%) | +0.50% (+0.00%, +1.00%) | 2: 11.11% |" \
         in head
+
+
+def test_stand_ins_from_other_runs_are_the_nearest_in_time():
+    """A baseline or a link rate from another run is the one measured nearest in time to the row (the loopback
+    differs from call to call), not the newest; rows without times fall back to the newest."""
+    def at(hour, **kw):
+        return dict({"status": "ok", "machine": "m", "mode": "share", "model": "406M", "topology": "2x2", "ranks": 4,
+                     "created": f"2026-11-25T{hour:02d}:00:00+00:00"}, **kw)
+    row = at(6, row_id="s", run_id="r6", config="sdp4bit", variant="sdp4bit", ms_per_step=100.0, link_gbps=5.0)
+    zs = [at(h, row_id=f"z{h}", run_id=f"z{h}", config="zero3", variant="zero3", ms_per_step=10.0 * h,
+             link_gbps=5.0) for h in (3, 7, 16)]
+    b, same_run = report.baseline(row, zs, "zero3")
+    assert b["row_id"] == "z7" and not same_run
+    assert report.baseline(dict(row, created=None), zs, "zero3")[0]["row_id"] == "z16"
+    rates = [at(h, row_id=f"l{h}", kind="nccl", op="all_gather", measured_gbps=float(h), link_gbps=5.0)
+             for h in (5, 16)]
+    assert link.measured_rate(row, rates)["row_id"] == "l5"
+    assert link.measured_rate(dict(row, created=None), rates)["row_id"] == "l16"
 
 
 def test_gap_over_a_long_run_is_per_span_against_the_same_seed():

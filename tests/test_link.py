@@ -189,15 +189,28 @@ def test_delay_line_adds_latency_not_corruption(tmp_path):
     assert p.returncode == 0 and p.stdout.strip() == got and "lost" not in p.stderr, p.stderr
 
 
+# a command that cannot start: Python's subprocess (vfork) child calls _exit in the parent's memory, without the
+# fork handlers; it must not write (nor mark written) the parent's count
+FAILED_EXEC = """
+import subprocess
+try:
+    subprocess.run(["/no/such/command"])
+except FileNotFoundError:
+    pass
+"""
+
+
 @needs_cc
 @pytest.mark.parametrize("delay_us", [None, 2000])
-def test_the_count_is_written_when_the_process_leaves_through_os_exit(tmp_path, delay_us):
+@pytest.mark.parametrize("before", ["", FAILED_EXEC], ids=["alone", "after-a-failed-exec"])
+def test_the_count_is_written_when_the_process_leaves_through_os_exit(tmp_path, delay_us, before):
     """Training scripts leave through os._exit (examples/shutdown.py), past the destructors: the shim writes its
-    count from its _exit too, under a rate alone (where it once wrote nothing) and with the delay line."""
+    count from its _exit too, under a rate alone (where it once wrote nothing) and with the delay line; a vfork
+    child that failed to exec first changes nothing."""
     stats = tmp_path / "st"
-    p, got = _stream_to_child(CLOSE_CHILD, link.knob_env(50.0, stats, delay_us=delay_us))
+    p, got = _stream_to_child(before + CLOSE_CHILD, link.knob_env(50.0, stats, delay_us=delay_us))
     assert p.returncode == 0 and p.stdout.strip() == got, p.stderr
-    [st] = link.read_stats(stats)
+    [st] = link.read_stats(stats)   # the process's own file, and no other
     assert st["bytes"] == 3 << 20 and st["gbps"] == 50.0
 
 
@@ -325,8 +338,11 @@ def test_fit_recovers_known_parameters():
 
 def test_repeats_at_one_setting_state_the_noise_any_model_must_carry():
     rows, link_rows = _synthetic_rows()
-    assert projection.fit_and_check(rows, link_rows)["repeats"] == []  # one run per setting: nothing repeated
     a = next(r for r in rows if r["config"] == "zero3" and r["model"] == "406M" and r["link_gbps"] == 5.0)
+    # the same setting twice in one run, or on another machine kind: not a repeat across runs
+    twin = dict(a, row_id="syn/twin", ms_per_step=a["ms_per_step"] * 2)
+    elsewhere = dict(a, row_id="syn/h100", run_id="syn_h100", machine="NVIDIA H100", ms_per_step=a["ms_per_step"] * 2)
+    assert projection.fit_and_check(rows + [twin, elsewhere], link_rows)["repeats"] == []
     again = dict(a, row_id="syn/again", run_id="syn_again", topology="2x2", topology_independent=True,
                  ms_per_step=a["ms_per_step"] * 1.5)
     a["topology_independent"] = True   # ZeRO-3 ignores the node layout: its 4x1 and 2x2 rows are one setting
