@@ -16,10 +16,11 @@ gathers inside the node 2 x 2P(g-1)/g; replica full: none.
 
 Under the bandwidth knob (``--link-gbps R [R ...]``, benchmarks/link.py: an LD_PRELOAD limit of each rank's TCP
 egress; share-GPU mode or ``--transport sockets`` or CPU) every config runs once per rate; rows carry
-``link_gbps`` (requested; null = unshaped), ``link_measured_gbps`` / ``link_measured_source`` (the newest
-``linkrate`` collective row with the same settings and machine, from OUT/linkrate.json or ``--link-rates-from``;
-null when none was measured yet), ``nccl_socket_nthreads`` / ``nccl_nsocks_perthread`` (null = NCCL's default)
-and ``link_stats`` (the shim's own count: bytes the busiest process sent, seconds it slept).
+``link_gbps`` (requested; null = unshaped), ``link_measured_gbps`` / ``link_measured_source`` (the
+``linkrate`` collective row with the same settings and machine measured nearest in time, from OUT/linkrate.json
+or ``--link-rates-from``; null when none was measured yet), ``nccl_socket_nthreads`` / ``nccl_nsocks_perthread``
+(null = NCCL's default), ``link_stats`` (the shim's own count: bytes the busiest process sent, seconds it slept)
+and ``link_stats_short`` (why that count cannot have seen the run's traffic, when it is below a step's bytes).
 """
 
 from __future__ import annotations

@@ -752,6 +752,7 @@ ssize_t writev(int fd, const struct iovec *iov, int cnt) {
 }
 
 int close(int fd) {
+    if (getpid() != owner_pid) return real_close(fd);  /* a vfork child closing inherited fds: not our queues */
     if (delays(fd)) {
         pthread_mutex_lock(&qlock);
         struct fdq *q = queues[fd];
@@ -779,6 +780,7 @@ int close(int fd) {
 }
 
 int shutdown(int fd, int how) {
+    if (getpid() != owner_pid) return real_shutdown(fd, how);
     if (delays(fd) && how != SHUT_RD) drain_fd(fd, 30000000000LL);  /* the queue before the FIN */
     return real_shutdown(fd, how);
 }

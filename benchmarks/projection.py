@@ -104,9 +104,10 @@ class Point:
 
 def rate_of(r: dict, link_rows: Sequence[dict]) -> Tuple[Optional[float], str]:
     """The link rate (Gb/s per rank) a throughput row ran at and where it comes from: ``measured (same run)``
-    (``e2e --probe-link``), ``measured`` (the newest ``linkrate`` row of its settings and machine, another call),
-    ``measured (N ranks)`` (such a row at another rank count), ``requested`` (the knob's setting), else None;
-    a row whose own probe failed gets None (no other call's rate stands in for it, as e2e.py records it)."""
+    (``e2e --probe-link``), ``measured`` (the ``linkrate`` row of its settings and machine measured nearest in
+    time, another call), ``measured (N ranks)`` (such a row at another rank count), ``requested`` (the knob's
+    setting), else None; a row whose own probe failed gets None (no other call's rate stands in for it, as
+    e2e.py records it)."""
     if r.get("link_probe") is False:
         return None, "probe failed"
     gbps, src = r.get("link_measured_gbps"), "measured (same run)" if r.get("link_probe") else "measured"

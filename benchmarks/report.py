@@ -10,7 +10,8 @@ leave it).  Cells without a measurement say "not measured".  The throughput tabl
 without link settings (unshaped, NCCL's default sockets); the rate sweep has its own files.
 
 Speed-ups compare configs inside one run (same ``run_id``) where the run has the baseline; otherwise the
-newest baseline row of the same model, topology and machine is used and the cell is marked with ``*``.
+baseline row of the same model, topology and machine measured nearest in time is used and the cell is marked with
+``*``.
 
 ``python -m benchmarks merge FILES...``: results files brought back from a GPU machine (``<run_id>.json``:
 copied to DIR/runs/ and their rows merged into DIR/throughput.json, DIR/accuracy.json or DIR/linkrate.json; row

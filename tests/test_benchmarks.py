@@ -264,6 +264,10 @@ def test_accuracy_table_pairs_seeds_and_counts_runs_finished_before_their_timeou
     assert "+0.50% (s1: +1.00%, s2: +0.00%)" in line          # same seed: +1% and 0%
     assert "+0.50% (s1: +0.00%, s2: +1.00%)" in line          # held-out, same seed
     assert "4x1" not in table and "9.0000" not in table
+    # groups in numeric order of steps (500 before 2000, not as text)
+    long = [dict(r, steps=2000, row_id=r["row_id"] + "_long") for r in rows[:3]]
+    table = report.accuracy_table(long + rows, {})
+    assert table.index("| 500 |") < table.index("| 2000 |")
     # the README headline's loss table: the default config's rows only, same-seed differences, ZeRO-3's spread
     head = report.headline([], [dict(r, default=r["variant"] == "sdp4bit") for r in rows])
     assert "| 86M | 4 | 2x2 | cosine | 500 | 2 (1,2) | +0.50% (+1.00%, +0.00%) | +0.50% (+0.00%, +1.00%) | 2: 11.11% |" \
@@ -286,6 +290,10 @@ def test_stand_ins_from_other_runs_are_the_nearest_in_time():
              for h in (5, 16)]
     assert link.measured_rate(row, rates)["row_id"] == "l5"
     assert link.measured_rate(dict(row, created=None), rates)["row_id"] == "l16"
+    # a candidate without a time comes last, whatever the row's time
+    undated = dict(rates[0], row_id="lx", created=None)
+    assert link.measured_rate(row, [undated, rates[1]])["row_id"] == "l16"
+    assert link.measured_rate(dict(row, created=None), [rates[1], undated])["row_id"] == "l16"
 
 
 def test_gap_over_a_long_run_is_per_span_against_the_same_seed():

@@ -214,6 +214,34 @@ def test_the_count_is_written_when_the_process_leaves_through_os_exit(tmp_path, 
     assert st["bytes"] == 3 << 20 and st["gbps"] == 50.0
 
 
+SPAWN_WHILE_QUEUED = """
+import hashlib, socket, subprocess, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+data = bytes(range(250)) * 400          # 100 kB, still in the delay line's queue when the child starts
+s.sendall(data)
+subprocess.run(["/bin/true"], check=True)   # its vfork child closes the inherited fds one by one
+s.sendall(data)
+s.close()
+print(hashlib.sha256(data + data).hexdigest(), flush=True)
+"""
+
+
+@needs_cc
+def test_a_vfork_child_closing_inherited_fds_leaves_the_queues_alone(tmp_path):
+    """Python's subprocess child (vfork: the parent's memory, no fork handlers) closes the inherited fds before
+    exec; where close_range is missing it calls close() on each, through the shim. Those closes must not mark
+    the parent's queued socket closing (its writer would close the parent's socket: EBADF, bytes lost)."""
+    stub = tmp_path / "no_close_range.c"
+    stub.write_text("#include <errno.h>\nint close_range(unsigned a, unsigned b, int f)"
+                    " { (void)a; (void)b; (void)f; errno = ENOSYS; return -1; }\n")
+    so = tmp_path / "no_close_range.so"
+    subprocess.run([link.compiler(), "-shared", "-fPIC", "-o", str(so), str(stub)], check=True)
+    env = link.knob_env(None, delay_us=300000)
+    env["LD_PRELOAD"] = f"{so} {env['LD_PRELOAD']}"   # Python falls back to close() per fd
+    p, got = _stream_to_child(SPAWN_WHILE_QUEUED, env)
+    assert p.returncode == 0 and p.stdout.strip() == got, p.stderr
+
+
 @needs_cc
 @pytest.mark.parametrize("var,value", [("SDP4BIT_LINK_GBPS", "fast"), ("SDP4BIT_LINK_GBPS", "-3"),
                                        ("SDP4BIT_LINK_GBPS", "0"), ("SDP4BIT_LINK_GBPS", "inf"),
@@ -341,8 +369,10 @@ def test_repeats_at_one_setting_state_the_noise_any_model_must_carry():
     a = next(r for r in rows if r["config"] == "zero3" and r["model"] == "406M" and r["link_gbps"] == 5.0)
     # the same setting twice in one run, or on another machine kind: not a repeat across runs
     twin = dict(a, row_id="syn/twin", ms_per_step=a["ms_per_step"] * 2)
-    elsewhere = dict(a, row_id="syn/h100", run_id="syn_h100", machine="NVIDIA H100", ms_per_step=a["ms_per_step"] * 2)
-    assert projection.fit_and_check(rows + [twin, elsewhere], link_rows)["repeats"] == []
+    others = [dict(a, row_id=f"syn/{k}", run_id=f"syn_{k}", ms_per_step=a["ms_per_step"] * 2, **{k: v})
+              for k, v in (("machine", "NVIDIA H100"), ("mode", "1 GPU"), ("micro_batch", 8), ("seq", 2048))]
+    for o in others:   # each alone, so that every part of the key is needed
+        assert projection.fit_and_check(rows + [twin, o], link_rows)["repeats"] == [], o["row_id"]
     again = dict(a, row_id="syn/again", run_id="syn_again", topology="2x2", topology_independent=True,
                  ms_per_step=a["ms_per_step"] * 1.5)
     a["topology_independent"] = True   # ZeRO-3 ignores the node layout: its 4x1 and 2x2 rows are one setting
