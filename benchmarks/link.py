@@ -122,6 +122,11 @@ def label(gbps: Optional[float]) -> str:
     return "off" if gbps is None else f"{gbps:g}"
 
 
+def sockets_label(threads: Optional[int], nsocks: Optional[int]) -> str:
+    """``"4x4"`` for NCCL's socket threads x sockets per thread, ``default`` for each left to NCCL."""
+    return f"{threads or 'default'}x{nsocks or 'default'}"
+
+
 # ------------------------------------------------------------------------------------------- the shim
 
 def cache_dir() -> Path:

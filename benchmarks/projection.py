@@ -434,7 +434,7 @@ def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
                      + "; ".join(problems(res, keys)))
     for rp in res.get("repeats", ()):
         gbps, threads, nsocks, delay = rp["setting"]
-        sock = f"{threads or 'default'}x{nsocks or 'default'} sockets" + (f", delay {delay:g} us" if delay else "")
+        sock = f"{link.sockets_label(threads, nsocks)} sockets" + (f", delay {delay:g} us" if delay else "")
         lines.append(f"repeat in another run: {rp['model']} {rp['key']} {rp['ranks']} ranks"
                      + (f" {rp['topology']}" if rp["topology"] else "") + f", knob {gbps:g} Gb/s, {sock}: "
                      + " / ".join(f"{m:.0f} ms ({g:.2f} Gb/s, {c})" for m, g, c in zip(rp["ms"], rp["gbps"],

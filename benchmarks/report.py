@@ -437,7 +437,7 @@ def projection_md(res: dict, rows: Sequence[dict] = ()) -> str:
         r = by_id.get(pt.row_id)
         if r is None or r.get("config") != "sdp4bit" or not r.get("link_gbps"):
             continue
-        sock = "x".join(str(r.get(k) or "default") for k in ("nccl_socket_nthreads", "nccl_nsocks_perthread"))
+        sock = link.sockets_label(r.get("nccl_socket_nthreads"), r.get("nccl_nsocks_perthread"))
         lines.append(f"| {pt.model} | {pt.topology} | {pt.key} | {r['link_gbps']:g} | {pt.gbps:.2f} "
                      f"({pt.rate_source}) | {sock} | {r['ms_per_step']:.0f} | {_ratio(r, rows, 'zero3')} | "
                      f"{_ratio(r, rows, 'zeropp')} | {r.get('commit')} |")
