@@ -36,7 +36,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,6 +80,9 @@ VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     "tlq_hs_g512_packed": {"grads": {"group_size": 512, **PACKED}, "weights": None},
     "tlq_hs_g512": {"grads": {"group_size": 512}, "weights": None},
     "tlq_hs_8bit_packed": {"grads": {"inter_bits": 8, **PACKED}, "weights": None},
+    # 4 bits at both levels, no transform: the paper's ULq (ZeRO++'s qgZ), here with our groups of 128
+    # (qgZ's scales are coarser, about one per row), so an upper bound on qgZ's accuracy
+    "ulq": {"grads": {"intra_bits": 4, "hadamard": False}, "weights": None},
 }
 
 
@@ -174,6 +176,7 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
     buckets = buckets_for(part.numels, a.bucket_size)
     losses, probes = [], []
     t0 = time.time()
+    stop_at = a.deadline_at if getattr(a, "deadline_at", None) else None
 
     def load_weights():
         for p, w in zip(params, part.to_full(own)):
@@ -181,6 +184,8 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
 
     load_weights()
     for step in range(a.steps):
+        if stop_at is not None and step and time.time() + (1 + a.eval_batches / 2) * (time.time() - t0) / step > stop_at:
+            break   # the next step and the evaluation (~1/3 step per batch) would not end before it
         lr = lr_at(step, a)
         opt.param_groups[0]["lr"] = lr
         grads_r, loss_r = [], []
@@ -245,11 +250,15 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
     with torch.no_grad():
         held_loss = sum(float(model(*(t.to(a.device) for t in evals[r].eval_batch(i))))
                         for r in range(W) for i in range(a.eval_batches))
-    k = min(50, a.steps)
-    return {"variant": variant, "topology": topo, "data_seed": data_seed, "steps": a.steps,
+    k = min(50, len(losses))
+    done = len(losses)
+    return {"variant": variant, "topology": topo, "data_seed": data_seed, "sdp_seed": a.sdp_seed,
+            "model_seed": a.model_seed, "steps": a.steps, "steps_done": done,
+            "status": "ok" if done == a.steps else "stopped",
             "grads": gcfg.model_dump() if gcfg else None, "weights": wcfg.model_dump() if wcfg else None,
             "train_loss": sum(losses[-k:]) / k, "heldout_loss": held_loss / (W * a.eval_batches),
             "losses": losses, "probes": probes, "seconds": time.time() - t0,
+            "ms_per_step": 1000 * (time.time() - t0) / max(1, done),
             "final_weights": {n: w.cpu() for n, w in zip(names, part.to_full(own.float()))},
             "classes": {n: param_class(n) for n in names}, "numels": dict(zip(names, part.numels))}
 
@@ -423,10 +432,21 @@ def main(argv=None):
     p.add_argument("--table-warm", type=int, default=50)
     p.add_argument("--table-batches", type=int, default=2)
     p.add_argument("--ref-cache", default="/tmp/accuracy_sim_ref",
-                   help="where ZeRO-3 runs leave their final weights for the distance of later runs")
+                   help="where every run leaves its final weights (ZeRO-3's: for the distance of later runs)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds from the start: a run stops early (row status 'stopped', steps_done) when its "
+                        "next step and evaluation would end later; later runs of the invocation are skipped")
+    p.add_argument("--distances", nargs="*", metavar="RUNS_JSON",
+                   help="only fill final_rel_dist_to_zero3 of these --out files' runs from --ref-cache's weights "
+                        "(for runs made in parallel processes, where the ZeRO-3 run ended after them)")
     p.add_argument("--report", nargs="*", metavar="RUNS_JSON",
                    help="only print the markdown tables of these --out files (written to --out as .md)")
     a = p.parse_args(argv)
+    a.deadline_at = time.time() + a.deadline if a.deadline else None
+    if a.distances:
+        for f in a.distances:
+            print(f"{f}: distances filled for {fill_distances(Path(f), Path(a.ref_cache))} run(s)")
+        return
     if a.report:
         docs = [json.loads(Path(f).read_text()) for f in a.report]
         runs = [r for d in docs for r in d.get("runs", [])]
@@ -438,10 +458,12 @@ def main(argv=None):
     corpus, desc = load_corpus(None)
     out = Path(a.out)
     doc = json.loads(out.read_text()) if out.exists() else {"runs": []}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    from benchmarks.suite import git_commit   # $SDP4BIT_COMMIT on the device machine (its tree's git is not ours)
+    commit = git_commit()
     args = {k: v for k, v in vars(a).items() if k not in ("variants", "topologies", "data_seeds", "out",
-                                                           "verbose", "threads")}
+                                                           "verbose", "threads", "deadline_at", "distances")}
+    machine = (f"{torch.cuda.get_device_name(a.device)}, torch {torch.__version__}" if a.device.startswith("cuda")
+               else f"{os.cpu_count()}-core CPU, torch {torch.__version__}")
     if a.error_table:
         t = error_table(a, corpus)
         t.update({"args": args, "commit": commit, "corpus": desc})
@@ -450,34 +472,61 @@ def main(argv=None):
         for key, row in t["summary"].items():
             print(f"{key:28s} " + "  ".join(f"{c} {v['median']:.3f}/{v['max']:.3f}" for c, v in row.items()))
         return
-    ref_weights = {}
     for seed in a.data_seeds:
         for topo in a.topologies:
             for v in a.variants:
                 if v == "zero3" and topo != a.topologies[0]:
                     continue   # exact ZeRO-3 does not depend on the topology: one run per seed
+                if a.deadline_at and time.time() > a.deadline_at:
+                    print(f"{v:24s} {topo} seed {seed}: skipped (--deadline reached)", flush=True)
+                    continue
                 r = run(a, v, topo, seed, corpus)
-                w = r.pop("final_weights")
-                cache = Path(a.ref_cache) / f"zero3_seed{seed}_steps{a.steps}_d{a.d_model}_L{a.layers}.pt"
-                if v == "zero3":   # exact ZeRO-3 does not depend on the topology
-                    ref_weights[seed] = w
-                    cache.parent.mkdir(parents=True, exist_ok=True)
-                    torch.save(w, cache)
-                elif seed not in ref_weights and cache.exists():
-                    ref_weights[seed] = torch.load(cache)
-                ref = ref_weights.get(seed)
-                if ref is not None and v != "zero3":
-                    r["final_rel_dist_to_zero3"] = {n: float((w[n] - ref[n]).norm() / ref[n].norm().clamp_min(1e-30))
-                                                    for n in w}
-                r.update({"args": args, "commit": commit, "corpus": desc,
-                          "machine": f"{os.cpu_count()}-core CPU, torch {torch.__version__}"})
-                doc["runs"] = [x for x in doc["runs"] if (x["variant"], x["topology"], x["data_seed"], x["steps"])
-                               != (v, topo, seed, a.steps)] + [r]
+                cache = Path(a.ref_cache)
+                cache.mkdir(parents=True, exist_ok=True)
+                torch.save(r.pop("final_weights"), cache / weights_file(r, a))
+                r.update({"args": args, "commit": commit, "corpus": desc, "machine": machine})
+                doc["runs"] = [x for x in doc["runs"] if run_key(x) != run_key(r)] + [r]
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(doc))
+                fill_distances(out, cache)
                 print(f"{v:24s} {topo} seed {seed}: train {r['train_loss']:.4f} held-out {r['heldout_loss']:.4f} "
-                      f"({r['seconds']:.0f} s)", flush=True)
+                      f"({r['seconds']:.0f} s, {r['status']} after {r['steps_done']} steps)", flush=True)
 
+
+def run_key(r: dict) -> tuple:
+    """One row per (variant, topology, data seed, rounding seed, steps) in an --out file."""
+    return r["variant"], r["topology"], r["data_seed"], r.get("sdp_seed", 1234), r["steps"]
+
+
+def weights_file(r: dict, a=None) -> str:
+    """The --ref-cache file of a run's final weights (fp32, by parameter name).  ZeRO-3's name has no
+    topology and no rounding seed: it does not depend on them."""
+    shape = f"d{r['args']['d_model'] if a is None else a.d_model}_L{r['args']['layers'] if a is None else a.layers}"
+    tail = f"seed{r['data_seed']}_steps{r['steps']}_{shape}"
+    if r["variant"] == "zero3":
+        return f"zero3_{tail}.pt"
+    return f"{r['variant']}_{r['topology']}_sdp{r.get('sdp_seed', 1234)}_{tail}.pt"
+
+
+def fill_distances(out: Path, cache: Path) -> int:
+    """Per tensor ||w - w_zero3|| / ||w_zero3|| of the final weights, for the runs of ``out`` that lack it and
+    whose weights and the ZeRO-3 run's (same data seed, steps, shape) are in ``cache``; returns how many."""
+    doc = json.loads(out.read_text())
+    n = 0
+    for r in doc["runs"]:
+        if r["variant"] == "zero3" or "final_rel_dist_to_zero3" in r or r.get("status", "ok") != "ok":
+            continue
+        ref_f = cache / weights_file({**r, "variant": "zero3"})
+        own_f = cache / weights_file(r)
+        if not (ref_f.is_file() and own_f.is_file()):
+            continue
+        ref, w = torch.load(ref_f), torch.load(own_f)
+        r["final_rel_dist_to_zero3"] = {k: float((w[k] - ref[k]).norm() / ref[k].norm().clamp_min(1e-30))
+                                        for k in w}
+        n += 1
+    if n:
+        out.write_text(json.dumps(doc))
+    return n
 
 if __name__ == "__main__":
     main()
