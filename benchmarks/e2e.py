@@ -124,6 +124,23 @@ def _find_bound(model: str, gpu: Optional[str], rows: List[dict]) -> Optional[di
     return max(cands, key=lambda r: r.get("created", "")) if cands else None
 
 
+def set_bound(row: dict, rows: List[dict]) -> bool:
+    """Give ``row`` (a timed row without a bound) its no-communication bound from ``rows``: ``bound_ms`` = the
+    world-1 ZeRO-3 step of its model on the same GPU name (``_find_bound``) x its ranks per device,
+    ``bound_fraction`` = bound / its step, ``bound_source`` = that row's id.  Used when the row is measured and
+    again by ``merge`` for rows whose call had no such row (their machine's world-1 row came in another call).
+    Returns whether a bound was set."""
+    if not row.get("ms_per_step") or row.get("bound_ms") is not None or not row.get("ranks_per_device"):
+        return False
+    b = _find_bound(row.get("model"), row.get("gpu"), rows)
+    if b is None:
+        return False
+    row["bound_ms"] = b["ms_per_step"] * row["ranks_per_device"]
+    row["bound_fraction"] = row["bound_ms"] / row["ms_per_step"]
+    row["bound_source"] = b["row_id"]
+    return True
+
+
 def run(args) -> int:
     cpu = args.cpu or not suite.on_gpu()
     if args.timed < 2 or args.timed_slow < 2:
@@ -293,12 +310,7 @@ def run(args) -> int:
                 rows.append(row)
                 if row["topology_independent"]:
                     independent[ikey] = row
-                if row.get("ms_per_step"):
-                    b = _find_bound(model, gpu, bound_rows())
-                    if b is not None:
-                        row["bound_ms"] = b["ms_per_step"] * row["ranks_per_device"]
-                        row["bound_fraction"] = row["bound_ms"] / row["ms_per_step"]
-                        row["bound_source"] = b["row_id"]
+                set_bound(row, bound_rows())
                 msg = (f"{row['ms_per_step']:.1f} ms/step (min {row['ms_min']:.1f}, max {row['ms_max']:.1f})"
                        if row.get("ms_per_step") else f"{row['status']} (rc {rc})")
                 print(f"[e2e] {name}: {msg}, wall {wall:.0f} s", flush=True)

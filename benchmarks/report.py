@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from . import link, projection, suite
+from . import e2e, link, projection, suite
 
 README = suite.REPO / "README.md"
 BEGIN, END = "<!-- suite:headline:begin -->", "<!-- suite:headline:end -->"
@@ -62,13 +62,14 @@ def _key(r: dict) -> Tuple[str, str, str]:
     return r.get("model"), r.get("topology"), r.get("variant")
 
 
-def latest(rows: Sequence[dict]) -> Dict[Tuple[str, str, str], dict]:
-    """The newest ok row per (model, topology, variant), of the rows without link settings."""
-    out: Dict[Tuple[str, str, str], dict] = {}
+def latest(rows: Sequence[dict], per_machine: bool = False) -> Dict[tuple, dict]:
+    """The newest ok row per (model, topology, variant), of the rows without link settings; with ``per_machine``
+    per (model, topology, variant, machine), so one machine's newer rows do not hide another's."""
+    out: Dict[tuple, dict] = {}
     for r in _ok(rows):
         if not link.unshaped(r):
             continue
-        k = _key(r)
+        k = _key(r) + ((str(r.get("machine")),) if per_machine else ())
         if k not in out or r.get("created", "") > out[k].get("created", ""):
             out[k] = r
     return out
@@ -110,17 +111,17 @@ def _fmt(x, spec: str, none: str = "-") -> str:
 # ------------------------------------------------------------------------------------------- throughput
 
 def throughput_table(rows: Sequence[dict]) -> str:
-    best = latest(rows)
+    best = latest(rows, per_machine=True)
     if not best:
         return "No throughput rows yet (run `python -m benchmarks e2e ...`).\n"
     lines = _header("model", "topology", "mode", "config", "replica", "default", "ms/step (min-max)", "tokens/s",
                     "peak mem GiB", "wire MB/step/rank", "bound fraction", "vs ZeRO-3", "vs ZeRO++", "machine",
                     "commit")
 
-    def order(k):
-        model, topo, var = k
+    def order(k):   # each cell's rows by machine, then config
+        model, topo, var, machine = k
         n, g = suite.parse_topology(topo)
-        return (model, n * g, topo, ORDER.index(var) if var in ORDER else len(ORDER), var)
+        return (model, n * g, topo, machine, ORDER.index(var) if var in ORDER else len(ORDER), var)
 
     for k in sorted(best, key=order):
         r = best[k]
@@ -654,8 +655,13 @@ def run_merge(args) -> int:
         if q not in targets:
             print(f"merge: {f}: a {q} results file, kept in {d / 'runs'}")
             continue
-        suite.merge_rows(d / targets[q], rows)
+        merged = suite.merge_rows(d / targets[q], rows)
         print(f"merge: {f}: {len(rows)} rows -> {d / targets[q]}")
+        if q == "e2e":   # rows whose call had no world-1 row of their machine take it from the merged rows
+            filled = [r["row_id"] for r in merged if e2e.set_bound(r, merged)]
+            if filled:
+                suite.write_json(d / targets[q], merged)
+                print(f"merge: bounds set for {', '.join(filled)}")
         probes = doc.get("link_probes") if isinstance(doc, dict) else None
         if probes:  # e2e --probe-link: the rates its rows name in link_measured_source
             suite.merge_rows(d / "linkrate.json", probes)

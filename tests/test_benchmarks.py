@@ -296,6 +296,35 @@ def test_stand_ins_from_other_runs_are_the_nearest_in_time():
     assert link.measured_rate(dict(row, created=None), [rates[1], undated])["row_id"] == "l16"
 
 
+def test_merge_sets_the_bound_of_rows_whose_call_had_no_world1_row(tmp_path):
+    """A row measured in a call without its machine's world-1 ZeRO-3 row gets its bound when merged beside one
+    (same model and GPU name only; a row that has a bound keeps it); the table shows each machine's rows."""
+    def row(rid, gpu, topo, config, ms, rpd, **kw):
+        return dict({"row_id": rid, "run_id": rid.split("/")[0], "status": "ok", "model": "406M", "gpu": gpu,
+                     "machine": gpu, "mode": "m", "topology": topo, "ranks": rpd, "ranks_per_device": rpd,
+                     "config": config, "variant": config, "ms_per_step": ms, "ms_min": ms, "ms_max": ms,
+                     "created": "2026-11-25T10:00:00+00:00"}, **kw)
+    d = tmp_path / "res"
+    d.mkdir()
+    world1 = row("a/w1", "H100", "1x1", "zero3", 200.0, 1, bound_ms=200.0, bound_fraction=1.0, bound_source="a/w1")
+    other_gpu = row("a/w1b", "H200", "1x1", "zero3", 300.0, 1)
+    had = row("c/had", "H100", "8x1", "tlq_hs", 1000.0, 8, bound_ms=1.0, bound_fraction=0.001, bound_source="x")
+    (d / "throughput.json").write_text(json.dumps([world1, other_gpu, had]))
+    late = row("b/z", "H100", "8x1", "zero3", 3200.0, 8)
+    lone = row("b/y", "H300", "8x1", "zero3", 3200.0, 8)
+    f = tmp_path / "b.json"
+    f.write_text(json.dumps({"meta": {"question": "e2e", "run_id": "b"}, "rows": [late, lone]}))
+    report.run_merge(type("A", (), {"dir": str(d), "files": [str(f)]})())
+    by = {r["row_id"]: r for r in json.loads((d / "throughput.json").read_text())}
+    assert by["b/z"]["bound_ms"] == 1600.0 and by["b/z"]["bound_fraction"] == 0.5
+    assert by["b/z"]["bound_source"] == "a/w1"
+    assert "bound_ms" not in by["b/y"]   # no world-1 row of its GPU: none borrowed from another
+    assert by["c/had"]["bound_ms"] == 1.0
+    # one cell measured on two machines: both rows shown, each with its own machine's baseline
+    table = report.throughput_table(list(by.values()) + [row("d/z", "H200", "8x1", "zero3", 6400.0, 8)])
+    assert "| 3200.0 (3200-3200) |" in table and "| 6400.0 (6400-6400) |" in table
+
+
 def test_gap_over_a_long_run_is_per_span_against_the_same_seed():
     long = [dict(_acc_row(v, t, seed, 1.0, 1.0), steps=1000, steps_done=1000)
             for v, t, seed in (("zero3:replay", "4r", 1), ("zero3:replay", "4r", 2), ("sdp4bit", "2x2", 1))]
