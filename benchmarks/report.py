@@ -2,7 +2,8 @@
 
 Nothing here is typed by hand: every number comes from the rows of ``throughput.json`` / ``accuracy.json``
 (and the per-step losses of ``accuracy_steps.json``) in ``--dir`` (default benchmarks/results/one_gpu).
-Writes there ``throughput.md``, ``throughput.png``, ``accuracy.md``, ``accuracy.png``; when rows were measured under
+Writes there ``throughput.md``, ``throughput.png``, ``accuracy.md``, ``accuracy.png``, ``goals.md`` (the open
+issues' goals against every run that measured them; also README.md's goals table); when rows were measured under
 the bandwidth knob (``linkrate.json``, ``e2e --link-gbps``) also ``linkrate.md``, ``projection.md`` (the step-time
 model's fit and check, benchmarks/projection.py) and ``speedup_vs_rate.png``; and rewrites the part
 of README.md between ``<!-- suite:headline:begin -->`` and ``<!-- suite:headline:end -->`` (``--no-readme``:
@@ -32,6 +33,7 @@ from . import e2e, link, projection, suite
 
 README = suite.REPO / "README.md"
 BEGIN, END = "<!-- suite:headline:begin -->", "<!-- suite:headline:end -->"
+GOALS_BEGIN, GOALS_END = "<!-- suite:goals:begin -->", "<!-- suite:goals:end -->"
 # what the headline covers (issue 19): models x topologies
 HEADLINE_CELLS = [("406M", "1x1"), ("406M", "2x2"), ("406M", "4x1"), ("406M", "2x4"), ("406M", "8x1"),
                   ("1.3B", "1x1"), ("1.3B", "2x2"), ("1.3B", "4x1")]
@@ -584,12 +586,166 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
             "\n\n" + "\n".join(loss) + "\n")
 
 
-def replace_between(text: str, body: str) -> str:
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"README.md has no {BEGIN} ... {END} markers")
-    a, rest = text.split(BEGIN, 1)
-    _, b = rest.split(END, 1)
-    return f"{a}{BEGIN}\n{body}{END}{b}"
+# ------------------------------------------------------------------------------------------- goals
+
+GOAL_SPEEDUP = 6.0          # issue 20: the default >= 6x ZeRO-3 (and ZeRO++) with 4 and 8 ranks sharing a GPU
+GOAL_BOUND = {"2x2": 0.45, "4x1": 0.60}   # issue 20: share of the no-communication bound
+GOAL_WORLD1 = 1.01          # issue 20: world size 1, default step / ZeRO-3 step
+GOAL_GAP = 0.3              # issue 21: mean train-loss gap to ZeRO-3, %
+
+
+def _default_rows(rows: Sequence[dict], model: str, topo: str) -> List[dict]:
+    """Every ok row of the shipped default config at (model, topology), oldest first, unshaped links only."""
+    return sorted((r for r in _ok(rows) if r.get("variant") == "sdp4bit" and r.get("default") and link.unshaped(r)
+                   and r.get("model") == model and r.get("topology") == topo), key=lambda r: r.get("created", ""))
+
+
+def _same_run(r: dict, rows: Sequence[dict], config: str) -> Optional[dict]:
+    b, same = baseline(r, rows, config)
+    return b if same else None
+
+
+def _verdict(ok: Sequence[bool]) -> str:
+    if not ok:
+        return NM
+    return "met" if all(ok) else ("not met" if not any(ok) else f"met in {sum(ok)} of {len(ok)} runs")
+
+
+def _speed_goal(rows: Sequence[dict], cells: Sequence[Tuple[str, str]], configs: Sequence[str]) -> Tuple[str, str]:
+    """Same-run ratios of the default against each of ``configs`` per cell, every run listed; a run counts as
+    meeting the goal when every config of it that ran is >= GOAL_SPEEDUP x the default's step."""
+    parts, ok = [], []
+    for model, topo in cells:
+        runs = []
+        for r in _default_rows(rows, model, topo):
+            bs = {c: _same_run(r, rows, c) for c in configs}
+            ratios = {c: b["ms_per_step"] / r["ms_per_step"] for c, b in bs.items() if b}
+            if not ratios:
+                continue
+            runs.append(" / ".join(f"{v:.2f}x" for v in ratios.values()) + f" ({r.get('commit')})")
+            ok.append(all(v >= GOAL_SPEEDUP for v in ratios.values()))
+        parts.append(f"{model} {topo}: " + ("; ".join(runs) if runs else NM))
+    return "<br>".join(parts), _verdict(ok)
+
+
+def _bound_goal(rows: Sequence[dict]) -> Tuple[str, str]:
+    parts, ok = [], []
+    for model in ("406M", "1.3B"):
+        for topo, goal in GOAL_BOUND.items():
+            fr = [r["bound_fraction"] for r in _default_rows(rows, model, topo) if r.get("bound_fraction")]
+            ok += [f >= goal for f in fr]
+            parts.append(f"{model} {topo} (>= {goal:.0%}): " + (", ".join(f"{f:.0%}" for f in fr) if fr else NM))
+    return "<br>".join(parts), _verdict(ok)
+
+
+def _world1_goal(rows: Sequence[dict]) -> Tuple[str, str]:
+    parts, ok = [], []
+    for model in ("406M", "1.3B"):
+        for r in _default_rows(rows, model, "1x1"):
+            b = _same_run(r, rows, "zero3")
+            if b:
+                q = r["ms_per_step"] / b["ms_per_step"]
+                ok.append(q <= GOAL_WORLD1)
+                parts.append(f"{model}: {r['ms_per_step']:.0f} / {b['ms_per_step']:.0f} ms = {q:.3f}x "
+                             f"({r.get('machine')}, {r.get('commit')})")
+    return "<br>".join(parts) or NM, _verdict(ok)
+
+
+def _memory_goal(rows: Sequence[dict], replica: str) -> Tuple[str, str]:
+    """Peak memory per rank above ZeRO-3 of the same run, per parameter, of the SDP4Bit rows (default config or
+    its replica forced) that ran ``replica``: full <= 2 B, node <= 2/gpus_per_node."""
+    parts, ok = [], []
+    for r in sorted(_ok(rows), key=lambda r: (r.get("model"), r.get("topology"), r.get("created", ""))):
+        if not (r.get("variant") in ("sdp4bit", "sdp4bit:node", "sdp4bit:full") and link.unshaped(r)
+                and r.get("replica") == replica and r.get("peak_mem_bytes") and r.get("n_params")):
+            continue
+        b = _same_run(r, rows, "zero3")
+        if not b or not b.get("peak_mem_bytes"):
+            continue
+        per = (r["peak_mem_bytes"] - b["peak_mem_bytes"]) / r["n_params"]
+        gpn = r.get("gpus_per_node") or suite.parse_topology(r["topology"])[1]
+        goal = 2.0 if r["replica"] == "full" else 2.0 / gpn
+        ok.append(per <= goal)
+        parts.append(f"{r['model']} {r['topology']}: {per:+.2f} B/param (<= {goal:g}; {r.get('commit')})")
+    return "<br>".join(parts) or NM, _verdict(ok)
+
+
+def _accuracy_goal(acc_rows: Sequence[dict]) -> Tuple[str, str]:
+    """Mean of the seed-paired train-loss differences of the default config, with its standard error: shown
+    when mean + 2 SE <= GOAL_GAP, missed when mean - 2 SE > GOAL_GAP, otherwise not resolved by the seeds run."""
+    parts, verdicts = [], []
+    for (ranks, sched, steps, model), g in sorted(_acc_groups(acc_rows).items(), key=_acc_order):
+        ref = g.get("zero3")
+        if not ref:
+            continue
+        for name, rs in sorted(g.items()):
+            if name == "zero3" or not rs[0].get("default"):
+                continue
+            d = [x for _, x in _paired(rs, ref, "train_loss")]
+            if not d:
+                continue
+            m = _mean(d)
+            se = (math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else None)
+            if se is None:
+                v = "not resolved (one seed)"
+            elif m + 2 * se <= GOAL_GAP:
+                v = "met"
+            elif m - 2 * se > GOAL_GAP:
+                v = "not met"
+            else:
+                v = "not resolved"
+            verdicts.append(v)
+            parts.append(f"{model} {rs[0]['topology']} {sched} {steps} steps: {m:+.2f}%"
+                         + (f" +- {se:.2f} (SE, {len(d)} seeds)" if se is not None else " (1 seed)") + f": {v}")
+    if not verdicts:
+        return NM, NM
+    return "<br>".join(parts), ("met" if all(v == "met" for v in verdicts) else
+                                "not met" if any(v == "not met" for v in verdicts) else "not resolved")
+
+
+GOALS_NOTE = ("Generated by `python -m benchmarks report` from the same rows (do not edit by hand): each open "
+              "issue's goal against every run that measured it, ratios only between rows of one run. `not "
+              "resolved`: the seeds run cannot tell the mean from the goal (mean +- 2 standard errors straddles "
+              "it).\n\n")
+
+
+def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], res: Optional[dict]) -> str:
+    """The open issues' goals against what the committed rows measured (ratios only inside one run), one row
+    per goal: issue, goal, measured, verdict."""
+    rows: List[Tuple[str, str, str, str]] = []
+    m, v = _world1_goal(tp_rows)
+    rows.append(("20", f"world size 1: default step <= {GOAL_WORLD1}x ZeRO-3 (same run; SDP4Bit is off there)", m, v))
+    four = [("406M", "2x2"), ("406M", "4x1"), ("1.3B", "2x2"), ("1.3B", "4x1")]
+    m, v = _speed_goal(tp_rows, four, ["zero3", "zeropp"])
+    rows.append(("20", f"4 ranks on one GPU: default >= {GOAL_SPEEDUP:g}x ZeRO-3 and ZeRO++ (each run: vs ZeRO-3 / "
+                 "vs ZeRO++ where it ran in the same run)", m, v))
+    m, v = _speed_goal(tp_rows, [("406M", "2x4"), ("406M", "8x1")], ["zero3"])
+    rows.append(("20", f"8 ranks on one GPU: default >= {GOAL_SPEEDUP:g}x ZeRO-3", m, v))
+    m, v = _bound_goal(tp_rows)
+    rows.append(("20", "4 ranks: default's share of the no-communication bound", m, v))
+    for replica, goal in (("full", "<= 2 B/param"), ("node", "<= 2/gpus_per_node B/param")):
+        m, v = _memory_goal(tp_rows, replica)
+        rows.append(("20", f"peak memory per rank above ZeRO-3 (same run), replica {replica}: {goal}", m, v))
+    m, v = _accuracy_goal(acc_rows)
+    rows.append(("21", f"default's train loss (last 50 steps) within +{GOAL_GAP}% of ZeRO-3, seed-paired", m, v))
+    if res is None:
+        rows.append(("23", "step-time model within 20% of every measured point", NM, NM))
+    else:
+        errs = (f"largest error on checked rows {100 * res['max_check_error']:.1f}%, on all "
+                f"{100 * res['max_error']:.1f}%" if res.get("max_check_error") is not None else "nothing checked")
+        probs = projection.problems(res)
+        rows.append(("23", "step-time model within 20% of every measured point (fitted and checked)",
+                     errs + ("; " + "; ".join(probs) if probs else ""), "met" if not probs else "not met"))
+    return "\n".join(_header("issue", "goal", "measured", "verdict")
+                     + [f"| {i} | {g} | {m} | **{v}** |" for i, g, m, v in rows]) + "\n"
+
+
+def replace_between(text: str, body: str, begin: str = BEGIN, end: str = END) -> str:
+    if begin not in text or end not in text:
+        raise ValueError(f"README.md has no {begin} ... {end} markers")
+    a, rest = text.split(begin, 1)
+    _, b = rest.split(end, 1)
+    return f"{a}{begin}\n{body}{end}{b}"
 
 
 def run(args) -> int:
@@ -621,8 +777,12 @@ def run(args) -> int:
         written.append("projection.md")
         if not args.no_png and rate_png(tp, res, d / "speedup_vs_rate.png"):
             written.append("speedup_vs_rate.png")
+    goals = goals_table(tp, acc, res)
+    (d / "goals.md").write_text(goals)
+    written.append("goals.md")
     if not args.no_readme:
-        README.write_text(replace_between(README.read_text(), headline(tp, acc)))
+        text = replace_between(README.read_text(), headline(tp, acc))
+        README.write_text(replace_between(text, GOALS_NOTE + goals, GOALS_BEGIN, GOALS_END))
         written.append(str(README))
     print("report: wrote " + ", ".join(written) + f" (in {d})")
     return 0

@@ -325,6 +325,40 @@ def test_merge_sets_the_bound_of_rows_whose_call_had_no_world1_row(tmp_path):
     assert "| 3200.0 (3200-3200) |" in table and "| 6400.0 (6400-6400) |" in table
 
 
+def test_goals_judge_only_same_run_ratios_and_say_when_seeds_cannot_resolve_the_gap():
+    def tp(rid, config, topo, ms, mem=None, model="406M", **kw):
+        return dict({"row_id": rid, "run_id": rid.split("/")[0], "status": "ok", "model": model, "topology": topo,
+                     "ranks": 4, "config": config.split(":")[0], "variant": config, "ms_per_step": ms,
+                     "machine": "m", "mode": "share", "commit": rid.split("/")[0], "peak_mem_bytes": mem,
+                     "n_params": 1000, "created": f"2026-11-25T0{rid[1]}:00:00+00:00"}, **kw)
+    rows = [tp("r1/z", "zero3", "2x2", 700.0, 10_000), tp("r1/p", "zeropp", "2x2", 800.0),
+            tp("r1/s", "sdp4bit", "2x2", 100.0, 11_500, default=True, replica="full", bound_fraction=0.5),
+            tp("r2/z", "zero3", "2x2", 500.0, 10_000),   # 5x ZeRO-3: this run misses the goal
+            tp("r2/s", "sdp4bit", "2x2", 100.0, 12_500, default=True, replica="full", bound_fraction=0.4),
+            tp("r2/n", "sdp4bit:node", "2x2", 300.0, 11_000, replica="node"),
+            tp("r3/s", "sdp4bit", "2x2", 50.0, default=True, replica="full")]   # no baseline in its run: not judged
+    g = report.goals_table(rows, [], None)
+    speed = next(line for line in g.splitlines() if "4 ranks on one GPU" in line)
+    assert "7.00x / 8.00x (r1); 5.00x (r2)" in speed and "(r3)" not in speed and "**met in 1 of 2 runs**" in speed
+    bound = next(line for line in g.splitlines() if "share of the no-communication bound" in line)
+    assert "406M 2x2 (>= 45%): 50%, 40%" in bound and "**met in 1 of 2 runs**" in bound
+    full = next(line for line in g.splitlines() if "replica full" in line)
+    assert "+1.50 B/param" in full and "+2.50 B/param" in full and "**met in 1 of 2 runs**" in full
+    node = next(line for line in g.splitlines() if "replica node" in line)
+    assert "+1.00 B/param (<= 1" in node and "**met**" in node
+    assert "| 23 | step-time model within 20% of every measured point | not measured | **not measured** |" in g
+    # accuracy: mean +- 2 SE against +0.3%
+    z = [_acc_row("zero3:replay", "4r", s, 2.0, 2.0) for s in (1, 2, 3)]
+    def acc(gaps):
+        rs = [dict(_acc_row("sdp4bit", "2x2", s, 2.0 * (1 + d / 100), 2.0), default=True)
+              for s, d in zip((1, 2, 3), gaps)]
+        return next(line for line in report.goals_table([], z + rs, None).splitlines() if line.startswith("| 21"))
+    assert "+0.05% +- 0.06 (SE, 3 seeds): met | **met** |" in acc([0.05, 0.15, -0.05])
+    assert "**not met**" in acc([1.0, 1.1, 0.9])
+    assert "**not resolved**" in acc([2.0, -2.0, 0.5])
+    assert "not resolved (one seed)" in acc([0.0])
+
+
 def test_gap_over_a_long_run_is_per_span_against_the_same_seed():
     long = [dict(_acc_row(v, t, seed, 1.0, 1.0), steps=1000, steps_done=1000)
             for v, t, seed in (("zero3:replay", "4r", 1), ("zero3:replay", "4r", 2), ("sdp4bit", "2x2", 1))]
