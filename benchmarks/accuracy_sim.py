@@ -402,7 +402,7 @@ def report_table(t: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=["zero3", "sdp4bit"], choices=sorted(VARIANTS))
     p.add_argument("--topologies", nargs="+", default=["2x2"])
@@ -441,7 +441,11 @@ def main(argv=None):
                         "(for runs made in parallel processes, where the ZeRO-3 run ended after them)")
     p.add_argument("--report", nargs="*", metavar="RUNS_JSON",
                    help="only print the markdown tables of these --out files (written to --out as .md)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     a.deadline_at = time.time() + a.deadline if a.deadline else None
     if a.distances:
         for f in a.distances:

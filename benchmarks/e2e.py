@@ -142,6 +142,8 @@ def set_bound(row: dict, rows: List[dict]) -> bool:
 
 
 def run(args) -> int:
+    from deepspeed_sdp4bit.config import parse_block   # the block as this commit reads it (config_snapshot)
+
     cpu = args.cpu or not suite.on_gpu()
     if args.timed < 2 or args.timed_slow < 2:
         raise SystemExit("e2e: --timed and --timed-slow must be >= 2 (ms/step is a median of repetitions)")
@@ -228,7 +230,8 @@ def run(args) -> int:
                                                         f"{n_gpus} GPUs, {args.transport}")) if world > 1
                        else ("cpu" if cpu else "1 GPU"),
                        "link_gbps": gbps, "nccl_socket_nthreads": threads, "nccl_nsocks_perthread": nsocks,
-                       "link_delay_us": delay}
+                       "link_delay_us": delay,
+                       "config_snapshot": suite.config_snapshot(v.load(), v.replica, parse_block)}
                 if v.replica == "node" and gpn == 1 and nodes > 1:
                     row.update(status="skipped", reason="replica node with one rank per node is the full "
                                                         "replica; the integration refuses it")

@@ -50,8 +50,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_merge_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("files", nargs="+", help="results files, row lists or accuracy_steps.json files")
+    p.add_argument("files", nargs="*", help="results files, row lists or accuracy_steps.json files")
     p.add_argument("--dir", default=str(suite.ONE_GPU), help="the committed results folder")
+    p.add_argument("--backfill-configs", action="store_true",
+                   help="give the throughput rows without a config_snapshot the one their commit's code reads from "
+                        "their configs/ file (git show; rows measured before e2e recorded it)")
 
 
 # ------------------------------------------------------------------------------------------- selection
@@ -75,6 +78,42 @@ def latest(rows: Sequence[dict], per_machine: bool = False) -> Dict[tuple, dict]
         if k not in out or r.get("created", "") > out[k].get("created", ""):
             out[k] = r
     return out
+
+
+def today_default() -> Dict[str, object]:
+    """``suite.config_snapshot`` of today's shipped configs/sdp4bit.json, read by today's code."""
+    from deepspeed_sdp4bit.config import parse_block
+
+    return suite.config_snapshot(json.loads((suite.CONFIG_DIR / "sdp4bit.json").read_text()), None, parse_block)
+
+
+def differences_from_default(r: dict, today: Dict[str, object]) -> Optional[Dict[str, tuple]]:
+    """How the config a row ran differs from today's default ({} = the same); None when the row has no
+    ``config_snapshot`` (see ``merge --backfill-configs``)."""
+    snap = r.get("config_snapshot")
+    return None if snap is None else suite.config_differences(snap, today)
+
+
+def _diff_text(diff: Dict[str, tuple]) -> str:
+    def val(v):
+        return "absent" if v == "absent" else json.dumps(v)
+    return ", ".join(f"{k[len('sdp4bit.'):] if k.startswith('sdp4bit.') else k} {val(a)} (today {val(b)})"
+                     for k, (a, b) in diff.items())
+
+
+def default_rows(rows: Sequence[dict], model: str, topo: str, today: Dict[str, object]) -> List[dict]:
+    """Every ok unshaped row at (model, topology) that ran today's default config (whatever its variant was
+    called) or the shipped default of its own commit (``default``), oldest first."""
+    return sorted((r for r in _ok(rows) if link.unshaped(r) and r.get("model") == model and r.get("topology") == topo
+                   and (r.get("default") or differences_from_default(r, today) == {})),
+                  key=lambda r: r.get("created", ""))
+
+
+def headline_row(rows: Sequence[dict], model: str, topo: str, today: Dict[str, object]) -> Optional[dict]:
+    """The newest row that ran today's default config, else the newest shipped default of its commit."""
+    cands = default_rows(rows, model, topo, today)
+    same = [r for r in cands if differences_from_default(r, today) == {}]
+    return (same or cands or [None])[-1]
 
 
 def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict], bool]:
@@ -540,16 +579,20 @@ def _link_cell(r: dict) -> str:
 def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
     """The README's headline: the default SDP4Bit config per model x topology against ZeRO-3 and ZeRO++, then
     the default config's loss against ZeRO-3 per accuracy run set (model, ranks, topology, schedule, steps)."""
-    best = latest(tp_rows)
+    today = today_default()
     lines = ["| model | topology | SDP4Bit default ms/step | vs ZeRO-3 | vs ZeRO++ | share of the no-communication "
-             "bound | link per rank, Gb/s, in the run | machine, mode |", "|---|---|---|---|---|---|---|---|"]
+             "bound | link per rank, Gb/s, in the run | config run | machine, mode |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for model, topo in HEADLINE_CELLS:
-        r = best.get((model, topo, "sdp4bit"))
+        r = headline_row(tp_rows, model, topo, today)
         if r is None:
-            cells, where = [NM, NM, NM, NM, NM], "-"
+            cells, where = [NM, NM, NM, NM, NM, "-"], "-"
         else:
+            diff = differences_from_default(r, today)
+            run = ("today's default" if diff == {} else "unknown" if diff is None else
+                   f"the default of {r.get('commit')}: {_diff_text(diff)}")
             cells = [f"{r['ms_per_step']:.0f}", _ratio(r, tp_rows, "zero3"), _ratio(r, tp_rows, "zeropp"),
-                     _fmt(r.get("bound_fraction"), ".0%", NM), _link_cell(r)]
+                     _fmt(r.get("bound_fraction"), ".0%", NM), _link_cell(r), run]
             where = f"{r.get('machine')}, {r.get('mode')} ({r.get('commit')})"
         lines.append(f"| {model} | {topo} | " + " | ".join(cells) + f" | {where} |")
     loss = ["| model | ranks | topology | lr schedule | steps | runs (seeds) | train loss vs ZeRO-3, same seed | "
@@ -578,7 +621,10 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
             "ratio is the run-to-run spread of the machine. The loopback's rate is not the same from call to call, "
             "nor ZeRO-3's step (see the support table), so ratios across runs (`*`) compare different links; "
             "the link column is NCCL's all-gather rate per rank measured inside the row's own run "
-            "(`e2e --probe-link`), where it was.\n\n"
+            "(`e2e --probe-link`), where it was. Each cell shows the newest run of today's default config (whatever "
+            "the config file was called then), else the newest run of its commit's shipped default, and the `config "
+            "run` column says how that differs from today's (defaults changed: `weights.pieces` and "
+            "`gradients.align_params` arrived, `weights.overlap` was on for a while).\n\n"
             + "\n".join(lines) + "\n\n"
             "Loss of the default config against ZeRO-3 (mean of the last 50 train losses; each seed against "
             "ZeRO-3's runs of the same seed, their mean first; ZeRO-3's own spread over its runs beside it, "
@@ -594,12 +640,6 @@ GOAL_WORLD1 = 1.01          # issue 20: world size 1, default step / ZeRO-3 step
 GOAL_GAP = 0.3              # issue 21: mean train-loss gap to ZeRO-3, %
 
 
-def _default_rows(rows: Sequence[dict], model: str, topo: str) -> List[dict]:
-    """Every ok row of the shipped default config at (model, topology), oldest first, unshaped links only."""
-    return sorted((r for r in _ok(rows) if r.get("variant") == "sdp4bit" and r.get("default") and link.unshaped(r)
-                   and r.get("model") == model and r.get("topology") == topo), key=lambda r: r.get("created", ""))
-
-
 def _same_run(r: dict, rows: Sequence[dict], config: str) -> Optional[dict]:
     b, same = baseline(r, rows, config)
     return b if same else None
@@ -611,43 +651,51 @@ def _verdict(ok: Sequence[bool]) -> str:
     return "met" if all(ok) else ("not met" if not any(ok) else f"met in {sum(ok)} of {len(ok)} runs")
 
 
-def _speed_goal(rows: Sequence[dict], cells: Sequence[Tuple[str, str]], configs: Sequence[str]) -> Tuple[str, str]:
+def _mark(r: dict, today: Dict[str, object]) -> str:
+    """A row's commit, with ° when the config it ran differs from today's default (? when not known)."""
+    diff = differences_from_default(r, today)
+    return f"{r.get('commit')}" + ("" if diff == {} else "?" if diff is None else "°")
+
+
+def _speed_goal(rows: Sequence[dict], cells: Sequence[Tuple[str, str]], configs: Sequence[str],
+                today: Dict[str, object]) -> Tuple[str, str]:
     """Same-run ratios of the default against each of ``configs`` per cell, every run listed; a run counts as
     meeting the goal when every config of it that ran is >= GOAL_SPEEDUP x the default's step."""
     parts, ok = [], []
     for model, topo in cells:
         runs = []
-        for r in _default_rows(rows, model, topo):
+        for r in default_rows(rows, model, topo, today):
             bs = {c: _same_run(r, rows, c) for c in configs}
             ratios = {c: b["ms_per_step"] / r["ms_per_step"] for c, b in bs.items() if b}
             if not ratios:
                 continue
-            runs.append(" / ".join(f"{v:.2f}x" for v in ratios.values()) + f" ({r.get('commit')})")
+            runs.append(" / ".join(f"{v:.2f}x" for v in ratios.values()) + f" ({_mark(r, today)})")
             ok.append(all(v >= GOAL_SPEEDUP for v in ratios.values()))
         parts.append(f"{model} {topo}: " + ("; ".join(runs) if runs else NM))
     return "<br>".join(parts), _verdict(ok)
 
 
-def _bound_goal(rows: Sequence[dict]) -> Tuple[str, str]:
+def _bound_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
     parts, ok = [], []
     for model in ("406M", "1.3B"):
         for topo, goal in GOAL_BOUND.items():
-            fr = [r["bound_fraction"] for r in _default_rows(rows, model, topo) if r.get("bound_fraction")]
-            ok += [f >= goal for f in fr]
-            parts.append(f"{model} {topo} (>= {goal:.0%}): " + (", ".join(f"{f:.0%}" for f in fr) if fr else NM))
+            fr = [r for r in default_rows(rows, model, topo, today) if r.get("bound_fraction")]
+            ok += [r["bound_fraction"] >= goal for r in fr]
+            parts.append(f"{model} {topo} (>= {goal:.0%}): " + (", ".join(
+                f"{r['bound_fraction']:.0%} ({_mark(r, today)})" for r in fr) if fr else NM))
     return "<br>".join(parts), _verdict(ok)
 
 
-def _world1_goal(rows: Sequence[dict]) -> Tuple[str, str]:
+def _world1_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
     parts, ok = [], []
     for model in ("406M", "1.3B"):
-        for r in _default_rows(rows, model, "1x1"):
+        for r in default_rows(rows, model, "1x1", today):
             b = _same_run(r, rows, "zero3")
             if b:
                 q = r["ms_per_step"] / b["ms_per_step"]
                 ok.append(q <= GOAL_WORLD1)
                 parts.append(f"{model}: {r['ms_per_step']:.0f} / {b['ms_per_step']:.0f} ms = {q:.3f}x "
-                             f"({r.get('machine')}, {r.get('commit')})")
+                             f"({r.get('machine')}, {_mark(r, today)})")
     return "<br>".join(parts) or NM, _verdict(ok)
 
 
@@ -706,22 +754,24 @@ def _accuracy_goal(acc_rows: Sequence[dict]) -> Tuple[str, str]:
 GOALS_NOTE = ("Generated by `python -m benchmarks report` from the same rows (do not edit by hand): each open "
               "issue's goal against every run that measured it, ratios only between rows of one run. `not "
               "resolved`: the seeds run cannot tell the mean from the goal (mean +- 2 standard errors straddles "
-              "it).\n\n")
+              "it). °: the run's config was the default of its commit, which differs from today's (the headline's "
+              "`config run` column says how); ?: not known (a row without a config snapshot).\n\n")
 
 
 def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], res: Optional[dict]) -> str:
     """The open issues' goals against what the committed rows measured (ratios only inside one run), one row
     per goal: issue, goal, measured, verdict."""
     rows: List[Tuple[str, str, str, str]] = []
-    m, v = _world1_goal(tp_rows)
+    today = today_default()
+    m, v = _world1_goal(tp_rows, today)
     rows.append(("20", f"world size 1: default step <= {GOAL_WORLD1}x ZeRO-3 (same run; SDP4Bit is off there)", m, v))
     four = [("406M", "2x2"), ("406M", "4x1"), ("1.3B", "2x2"), ("1.3B", "4x1")]
-    m, v = _speed_goal(tp_rows, four, ["zero3", "zeropp"])
+    m, v = _speed_goal(tp_rows, four, ["zero3", "zeropp"], today)
     rows.append(("20", f"4 ranks on one GPU: default >= {GOAL_SPEEDUP:g}x ZeRO-3 and ZeRO++ (each run: vs ZeRO-3 / "
                  "vs ZeRO++ where it ran in the same run)", m, v))
-    m, v = _speed_goal(tp_rows, [("406M", "2x4"), ("406M", "8x1")], ["zero3"])
+    m, v = _speed_goal(tp_rows, [("406M", "2x4"), ("406M", "8x1")], ["zero3"], today)
     rows.append(("20", f"8 ranks on one GPU: default >= {GOAL_SPEEDUP:g}x ZeRO-3", m, v))
-    m, v = _bound_goal(tp_rows)
+    m, v = _bound_goal(tp_rows, today)
     rows.append(("20", "4 ranks: default's share of the no-communication bound", m, v))
     for replica, goal in (("full", "<= 2 B/param"), ("node", "<= 2/gpus_per_node B/param")):
         m, v = _memory_goal(tp_rows, replica)
@@ -788,8 +838,25 @@ def run(args) -> int:
     return 0
 
 
+def backfill_configs(rows: List[dict]) -> List[str]:
+    """Set ``config_snapshot`` (suite.config_snapshot_at) on ok rows that lack it; returns their ids."""
+    done = []
+    for r in rows:
+        if r.get("config_snapshot") is None and r.get("status") == "ok" and r.get("commit") and r.get("config"):
+            snap = suite.config_snapshot_at(str(r["commit"]).split("+")[0], r["config"], r.get("replica_requested"))
+            if snap is not None:
+                r["config_snapshot"] = snap
+                done.append(r["row_id"])
+    return done
+
+
 def run_merge(args) -> int:
     d = Path(args.dir)
+    if getattr(args, "backfill_configs", False):
+        rows = suite.load_rows(d / "throughput.json")
+        done = backfill_configs(rows)
+        suite.write_json(d / "throughput.json", rows)
+        print(f"merge: config snapshots set for {len(done)} rows of {d / 'throughput.json'}")
     for f in args.files:
         f = Path(f)
         if f.suffix != ".json":

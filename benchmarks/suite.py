@@ -132,6 +132,64 @@ class Variant:
         return out
 
 
+# ------------------------------------------------------------------------------------------- what a row ran
+
+def _flat(d: dict, prefix: str = "") -> Dict[str, object]:
+    out: Dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_snapshot(cfg: dict, replica: Optional[str], parse_block) -> Dict[str, object]:
+    """The ds_config a run used, as dotted keys: its ``"sdp4bit"`` block resolved by ``parse_block`` (every
+    default filled in as the measured code read it) with ``replica`` set as the variant sets it, the per-run
+    ``topology.gpus_per_node`` left out, and the old ``"auto"`` spelling of an automatic choice read as omitted
+    (None: the same choice, spelt the way ``"auto"``-free configs spell it since 2d0adef).  Rows are compared
+    with today's default config through it (``config_differences``)."""
+    cfg = json.loads(json.dumps(cfg))
+    block = cfg.pop("sdp4bit", None)
+    out = _flat(cfg)
+    if block is not None:
+        if replica:
+            block.setdefault("weights", {})["replica"] = replica
+        out.update(_flat(parse_block(block).model_dump(), "sdp4bit."))
+        out.pop("sdp4bit.topology.gpus_per_node", None)
+    return {k: (None if v == "auto" else v) for k, v in out.items()}
+
+
+def config_differences(row_snapshot: Dict[str, object], today: Dict[str, object]) -> Dict[str, tuple]:
+    """{key: (the row's value, today's)} where they differ; a key the row's version did not have reads
+    ``"absent"`` (that version could not be set that way)."""
+    keys = sorted(set(row_snapshot) | set(today))
+    return {k: (row_snapshot.get(k, "absent"), today.get(k, "absent")) for k in keys
+            if row_snapshot.get(k, "absent") != today.get(k, "absent")}
+
+
+def config_snapshot_at(commit: str, config: str, replica: Optional[str]) -> Optional[Dict[str, object]]:
+    """``config_snapshot`` of ``configs/<config>.json`` as the code of ``commit`` read it (its own
+    ``config.py`` from git), for rows measured before rows carried their snapshot; None where git does not have
+    both files."""
+    import types
+
+    def show(path: str) -> Optional[str]:
+        r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO, capture_output=True, text=True)
+        return r.stdout if r.returncode == 0 else None
+
+    src, cfg = show("deepspeed_sdp4bit/config.py"), show(f"configs/{config}.json")
+    if src is None or cfg is None:
+        return None
+    name = f"_sdp4bit_config_at_{commit}"
+    if name not in sys.modules:   # pydantic resolves the module's annotations through sys.modules
+        mod = types.ModuleType(name)
+        sys.modules[name] = mod
+        exec(compile(src, f"{commit}:deepspeed_sdp4bit/config.py", "exec"), mod.__dict__)
+    return config_snapshot(json.loads(cfg), replica, sys.modules[name].parse_block)
+
+
 # ------------------------------------------------------------------------------------------- machine facts
 
 def git_commit() -> str:

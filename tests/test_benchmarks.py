@@ -89,6 +89,9 @@ def test_e2e_and_report_on_cpu(tmp_path):
     assert by[("1x1", "zero3")]["bound_fraction"] == 1.0
     full = by[("2x1", "sdp4bit:full")]
     assert full["replica"] == "full" and not full["default"]
+    # what it ran, as dotted keys with every default filled in (the headline compares it with today's default)
+    assert report.differences_from_default(full, report.today_default()) == {
+        "sdp4bit.weights.replica": ("full", None)}
     # measured SDP4Bit bytes at the inter-node level, DeepSpeed's none (the full replica needs no gathers)
     assert full["wire_bytes_per_step"]["sdp4bit_weights_inter"] > 0
     assert full["wire_bytes_per_step"]["sdp4bit_gradients_inter"] > 0
@@ -331,17 +334,21 @@ def test_goals_judge_only_same_run_ratios_and_say_when_seeds_cannot_resolve_the_
                      "ranks": 4, "config": config.split(":")[0], "variant": config, "ms_per_step": ms,
                      "machine": "m", "mode": "share", "commit": rid.split("/")[0], "peak_mem_bytes": mem,
                      "n_params": 1000, "created": f"2026-11-25T0{rid[1]}:00:00+00:00"}, **kw)
+    today = report.today_default()
+    older = dict(today, **{"sdp4bit.weights.overlap": True})   # the default of an older commit
     rows = [tp("r1/z", "zero3", "2x2", 700.0, 10_000), tp("r1/p", "zeropp", "2x2", 800.0),
-            tp("r1/s", "sdp4bit", "2x2", 100.0, 11_500, default=True, replica="full", bound_fraction=0.5),
+            tp("r1/s", "sdp4bit", "2x2", 100.0, 11_500, default=True, replica="full", bound_fraction=0.5,
+               config_snapshot=today),
             tp("r2/z", "zero3", "2x2", 500.0, 10_000),   # 5x ZeRO-3: this run misses the goal
-            tp("r2/s", "sdp4bit", "2x2", 100.0, 12_500, default=True, replica="full", bound_fraction=0.4),
+            tp("r2/s", "sdp4bit", "2x2", 100.0, 12_500, default=True, replica="full", bound_fraction=0.4,
+               config_snapshot=older),
             tp("r2/n", "sdp4bit:node", "2x2", 300.0, 11_000, replica="node"),
             tp("r3/s", "sdp4bit", "2x2", 50.0, default=True, replica="full")]   # no baseline in its run: not judged
     g = report.goals_table(rows, [], None)
     speed = next(line for line in g.splitlines() if "4 ranks on one GPU" in line)
-    assert "7.00x / 8.00x (r1); 5.00x (r2)" in speed and "(r3)" not in speed and "**met in 1 of 2 runs**" in speed
+    assert "7.00x / 8.00x (r1); 5.00x (r2°)" in speed and "(r3" not in speed and "**met in 1 of 2 runs**" in speed
     bound = next(line for line in g.splitlines() if "share of the no-communication bound" in line)
-    assert "406M 2x2 (>= 45%): 50%, 40%" in bound and "**met in 1 of 2 runs**" in bound
+    assert "406M 2x2 (>= 45%): 50% (r1), 40% (r2°)" in bound and "**met in 1 of 2 runs**" in bound
     full = next(line for line in g.splitlines() if "replica full" in line)
     assert "+1.50 B/param" in full and "+2.50 B/param" in full and "**met in 1 of 2 runs**" in full
     node = next(line for line in g.splitlines() if "replica node" in line)
@@ -357,6 +364,47 @@ def test_goals_judge_only_same_run_ratios_and_say_when_seeds_cannot_resolve_the_
     assert "**not met**" in acc([1.0, 1.1, 0.9])
     assert "**not resolved**" in acc([2.0, -2.0, 0.5])
     assert "not resolved (one seed)" in acc([0.0])
+
+
+def test_rows_are_compared_with_todays_default_config():
+    """A row's config snapshot (the block resolved by the code that ran it) tells today's default from an older
+    default, whatever the config file was called; the headline takes the newest run of today's default."""
+    from deepspeed_sdp4bit.config import parse_block
+
+    today = report.today_default()
+    load = lambda name: json.loads((suite.CONFIG_DIR / f"{name}.json").read_text())   # noqa: E731
+    assert suite.config_differences(suite.config_snapshot(load("sdp4bit_no_overlap"), None, parse_block), today) == {}
+    assert suite.config_differences(suite.config_snapshot(load("sdp4bit_overlap"), None, parse_block),
+                                    today) == {"sdp4bit.weights.overlap": (True, False)}
+    full = suite.config_snapshot(load("sdp4bit"), "full", parse_block)
+    assert suite.config_differences(full, today) == {"sdp4bit.weights.replica": ("full", None)}
+    # the old "auto" spelling of an automatic choice is the same choice; a key a version lacked reads "absent"
+    old = dict(today, **{"sdp4bit.kernel_backend": "auto"})
+    old.pop("sdp4bit.weights.pieces")
+    old = {k: (None if v == "auto" else v) for k, v in old.items()}
+    assert suite.config_differences(old, today) == {"sdp4bit.weights.pieces": ("absent", 16)}
+
+    def row(rid, created, snap, default):
+        return {"row_id": rid, "run_id": rid, "status": "ok", "model": "406M", "topology": "2x2", "ms_per_step": 1.0,
+                "created": created, "variant": "sdp4bit", "default": default, "config_snapshot": snap}
+    older_default = dict(today, **{"sdp4bit.weights.overlap": True})
+    a = row("a", "2026-11-25T01", today, False)          # today's default under another file name
+    b = row("b", "2026-11-25T02", older_default, True)   # its commit's default, newer
+    c = row("c", "2026-11-25T03", full, False)           # a forced replica: not a default row
+    assert [r["row_id"] for r in report.default_rows([a, b, c], "406M", "2x2", today)] == ["a", "b"]
+    assert report.headline_row([a, b, c], "406M", "2x2", today)["row_id"] == "a"
+    assert report.headline_row([b, c], "406M", "2x2", today)["row_id"] == "b"
+    assert "weights.overlap true (today false)" in report._diff_text(report.differences_from_default(b, today))
+
+
+def test_config_snapshot_of_a_commit_is_read_by_that_commits_code():
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    changed = subprocess.run(["git", "status", "--porcelain", "deepspeed_sdp4bit/config.py", "configs/sdp4bit.json"],
+                             cwd=REPO, capture_output=True, text=True)
+    if head.returncode != 0 or changed.stdout.strip():
+        pytest.skip("needs a git checkout whose config.py and configs/sdp4bit.json are committed as they are")
+    assert suite.config_snapshot_at(head.stdout.strip(), "sdp4bit", None) == report.today_default()
+    assert suite.config_snapshot_at(head.stdout.strip(), "no_such_config", None) is None
 
 
 def test_gap_over_a_long_run_is_per_span_against_the_same_seed():
@@ -396,3 +444,54 @@ def test_collectives_question_runs_on_cpu(tmp_path):
             "--out", str(out)], tmp_path)
     layout = json.loads(next(out.glob("collectives_*_refresh_tiny_2x1_full.json")).read_text())
     assert layout["rows"]
+
+
+def test_accuracy_sim_tracks_the_real_engine_and_stops_by_its_deadline(tmp_path):
+    """``accuracy-sim`` (issue 21's single-process simulation of W ranks through the real quantization code) gives
+    the real engine's per-step losses for ZeRO-3 and SDP4Bit (2 gloo ranks as 2 nodes x 1, same model, data and
+    seeds), fills the distances to ZeRO-3, and stops a run early by --deadline with its status saying so."""
+    from benchmarks import accuracy_sim
+
+    steps = 4
+    out = tmp_path / "out"
+    _suite(["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x1", "--configs", "zero3", "sdp4bit:full",
+            "--seeds", "5", "--steps", str(steps), "--seq", "32", "--micro-batch", "2", "--lr", "3e-3",
+            "--eval-batches", "1", "--out", str(out)], tmp_path)
+    real_rows = {r["variant"]: r for r in json.loads((out / "accuracy.json").read_text())}
+    real = json.loads((out / "accuracy_steps.json").read_text())
+    shape = suite.MODELS["tiny"]
+    sim_out, cache = tmp_path / "sim.json", tmp_path / "ref"
+    common = ["--topologies", "2x1", "--data-seeds", "5", "--model-seed", "5", "--d-model", str(shape["d_model"]),
+              "--layers", str(shape["layers"]), "--heads", str(shape["heads"]), "--seq", "32", "--micro-batch", "2",
+              "--lr", "3e-3", "--warmup", "0", "--min-lr-ratio", "1", "--eval-batches", "1", "--probe-every", "2",
+              "--ref-cache", str(cache), "--out", str(sim_out)]
+    accuracy_sim.main(["--variants", "sdp4bit", "zero3", "--steps", str(steps)] + common)
+    runs = {r["variant"]: r for r in json.loads(sim_out.read_text())["runs"]}
+    for variant, config, tol in (("zero3", "zero3", 2e-3), ("sdp4bit", "sdp4bit:full", 5e-3)):
+        a, b = real[real_rows[config]["row_id"]], runs[variant]["losses"]
+        assert runs[variant]["status"] == "ok" and runs[variant]["steps_done"] == len(a) == len(b) == steps
+        assert a[0] == pytest.approx(b[0], rel=1e-6)   # same model, same first batches
+        for x, y in zip(a, b):
+            assert abs(x - y) / x < tol, (variant, a, b)
+    assert runs["sdp4bit"]["losses"] != runs["zero3"]["losses"]   # the quantization ran
+    # ZeRO-3 ran after SDP4Bit in that call: the distances were filled once its weights were cached
+    dist = runs["sdp4bit"]["final_rel_dist_to_zero3"]
+    assert set(dist) == set(runs["sdp4bit"]["numels"]) and 0 < max(dist.values()) < 1
+    # a deadline already reached: a run that has started stops after its first step (the next would end after
+    # it), says so, and is not compared with the finished ZeRO-3 run; an invocation starts no run at all
+    import time
+    a = accuracy_sim.build_parser().parse_args(["--steps", str(steps)] + common)
+    a.deadline_at = time.time()
+    corpus, _ = accuracy_sim.load_corpus(None)
+    r = accuracy_sim.run(a, "qwd", "2x1", 5, corpus)
+    assert (r["status"], r["steps_done"], len(r["losses"])) == ("stopped", 1, 1)
+    torch = pytest.importorskip("torch")
+    torch.save(r.pop("final_weights"), cache / accuracy_sim.weights_file(r, a))   # as main() leaves it
+    r["args"] = {"d_model": a.d_model, "layers": a.layers}
+    (tmp_path / "st.json").write_text(json.dumps({"runs": [r]}))
+    assert accuracy_sim.fill_distances(tmp_path / "st.json", cache) == 0
+    (tmp_path / "ok.json").write_text(json.dumps({"runs": [dict(r, status="ok")]}))   # the same run, finished
+    assert accuracy_sim.fill_distances(tmp_path / "ok.json", cache) == 1
+    dl_out = tmp_path / "dl.json"
+    accuracy_sim.main(["--variants", "qwd", "--steps", "50", "--deadline", "1e-9"] + common[:-1] + [str(dl_out)])
+    assert not dl_out.exists()
