@@ -36,8 +36,10 @@ class _Strict(BaseModel):
             allowed = set(cls.model_fields)
             for key in data:
                 if key not in allowed:
-                    raise ValueError(f"unknown key {key!r}{_did_you_mean(str(key), allowed)} "
-                                     f"(allowed: {', '.join(sorted(allowed))})")
+                    home = _home_of(str(key), cls)
+                    raise ValueError(f"unknown key {key!r}"
+                                     + (f"; it belongs in {home}" if home else _did_you_mean(str(key), allowed))
+                                     + f" (allowed here: {', '.join(sorted(allowed))})")
         return data
 
 
@@ -81,7 +83,7 @@ class WeightsConfig(_Strict):
     @classmethod
     def _even(cls, v):
         if v % 32:
-            raise ValueError(f"weights.group_size must be a multiple of 32 (kernel tiles, int4 packing), got {v}")
+            raise ValueError(f"must be a multiple of 32 (kernel tiles, int4 packing), got {v}")
         return v
 
 
@@ -108,17 +110,17 @@ class GradientsConfig(_Strict):
     @classmethod
     def _pow2(cls, v):
         if v < 32 or v > 256 or v & (v - 1):
-            raise ValueError(f"gradients.hadamard_size must be a power of two in 32..256, got {v}")
+            raise ValueError(f"must be a power of two in 32..256, got {v}")
         return v
 
     @model_validator(mode="after")
     def _group_vs_hadamard(self):
         if self.group_size % 32:
-            raise ValueError(f"gradients.group_size must be a multiple of 32, got {self.group_size}")
+            raise ValueError(f"group_size must be a multiple of 32 (kernel tiles, 4-bit packing), got "
+                             f"{self.group_size}")
         if self.hadamard and self.group_size % self.hadamard_size:
-            raise ValueError(f"gradients.group_size ({self.group_size}) must be a multiple of "
-                             f"gradients.hadamard_size ({self.hadamard_size}): scales are computed over whole "
-                             f"transformed blocks")
+            raise ValueError(f"group_size ({self.group_size}) must be a multiple of hadamard_size "
+                             f"({self.hadamard_size}): scales are computed over whole transformed blocks")
         return self
 
 
@@ -170,6 +172,16 @@ AUTOMATIC = {
 }
 
 
+def _home_of(key: str, where) -> Optional[str]:
+    """Where an unknown ``key`` of section ``where`` is a key after all (``sdp4bit.gradients.hadamard`` for a
+    ``hadamard`` written at the top of the block), or None."""
+    sections = {"": SDP4BitConfig, "weights.": WeightsConfig, "gradients.": GradientsConfig,
+                "topology.": TopologyConfig}
+    homes = [f"{BLOCK_KEY}.{prefix}{key}" for prefix, model in sections.items()
+             if model is not where and key in model.model_fields]
+    return " or ".join(homes) or None
+
+
 def _wants_int(annotation) -> bool:
     """Whether a field takes integers (int, Optional[int], Literal[4, 8], ...)."""
     if annotation is int:
@@ -209,6 +221,8 @@ def _format_error(e: ValidationError) -> str:
         msg = err["msg"]
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
+        elif err.get("type") == "model_type":   # pydantic names its class ("... instance of WeightsConfig")
+            msg = f"must be a JSON object of keys, got {json.dumps(err.get('input'), default=str)}"
         lines.append(f"  {BLOCK_KEY}.{loc}: {msg}" if loc else f"  {BLOCK_KEY}: {msg}")
     return "invalid sdp4bit config:\n" + "\n".join(lines)
 

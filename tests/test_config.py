@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -40,6 +41,18 @@ def test_unknown_keys_name_the_key_and_suggest(block, key, hint):
     assert repr(key) in str(e.value) and f"did you mean {hint!r}" in str(e.value)
 
 
+@pytest.mark.parametrize("block, where, home", [
+    ({"hadamard": True}, "sdp4bit", "sdp4bit.gradients.hadamard"),
+    ({"weights": {"inter_bits": 4}}, "sdp4bit.weights", "sdp4bit.gradients.inter_bits"),
+    ({"gradients": {"replica": "full"}}, "sdp4bit.gradients", "sdp4bit.weights.replica"),
+    ({"weights": {"gpus_per_node": 2}}, "sdp4bit.weights", "sdp4bit.topology.gpus_per_node"),
+])
+def test_a_key_in_the_wrong_section_is_sent_where_it_belongs(block, where, home):
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_block(block)
+    assert f"{where}: unknown key" in str(e.value) and f"it belongs in {home} " in str(e.value)
+
+
 @pytest.mark.parametrize("block, where", [
     ({"weights": {"bits": 3}}, "weights.bits"),
     ({"weights": {"mode": "delta"}}, "weights.mode"),
@@ -47,7 +60,10 @@ def test_unknown_keys_name_the_key_and_suggest(block, key, hint):
     ({"gradients": {"intra_bits": 2}}, "gradients.intra_bits"),
     ({"gradients": {"hadamard_size": 48}}, "gradients.hadamard_size"),
     ({"gradients": {"hadamard_size": 512}}, "gradients.hadamard_size"),
-    ({"gradients": {"group_size": 32, "hadamard_size": 64}}, "multiple of gradients.hadamard_size"),
+    ({"gradients": {"group_size": 32, "hadamard_size": 64}}, "gradients: group_size (32) must be a multiple of "
+                                                              "hadamard_size (64)"),
+    ({"gradients": {"group_size": 100}}, "gradients: group_size must be a multiple of 32"),
+    ({"weights": [1]}, "weights: must be a JSON object of keys, got [1]"),
     ({"gradients": {"rounding": "up"}}, "gradients.rounding"),
     ({"gradients": {"pipeline_chunks": 0}}, "gradients.pipeline_chunks"),
     ({"topology": {"gpus_per_node": 0}}, "topology.gpus_per_node"),
@@ -55,7 +71,7 @@ def test_unknown_keys_name_the_key_and_suggest(block, key, hint):
     ({"seed": -1}, "seed"),
 ])
 def test_bad_values_are_refused_with_the_key(block, where):
-    with pytest.raises(SDP4BitConfigError, match=where.replace(".", r"\.")):
+    with pytest.raises(SDP4BitConfigError, match=re.escape(where)):
         parse_block(block)
 
 
