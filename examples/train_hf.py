@@ -227,6 +227,14 @@ def main(argv=None) -> dict:
     model = AutoModelForCausalLM.from_config(cfg)
 
     log = LossLog(stop_at=args.stop_at)
+    if args.resume:
+        done = finished_steps(args.out)
+        if done is not None and done >= args.max_steps:
+            # transformers would still run one more step past max_steps (and save checkpoint-<max_steps + 1>)
+            print(f"[train_hf] {args.out}: its latest checkpoint is at step {done}, which --max-steps "
+                  f"{args.max_steps} already reached: nothing to resume (raise --max-steps to train on)", flush=True)
+            return {}
+        log.losses = {int(k): v for k, v in (_read(args.out) or {}).get("losses", {}).items() if int(k) <= (done or 0)}
     trainer = Trainer(model=model, args=targs, train_dataset=train_ds, callbacks=[log])
     log.trainer = trainer
     trainer.train(resume_from_checkpoint=True if args.resume else None)
@@ -253,11 +261,33 @@ def main(argv=None) -> dict:
         dtype = torch.bfloat16 if targs.bf16 else (torch.float16 if targs.fp16 else torch.float32)
         reloaded = AutoModelForCausalLM.from_pretrained(final, dtype=dtype)
         out["reloaded_eval_loss"] = heldout_loss(reloaded.to(device), eval_ds, args.micro_batch, device)
-        print(f"[train_hf] {desc}; world {out['world']}; final loss "
+        summary = out["sdp4bit_summary"] or {}
+        sdp = (f"sdp4bit active ({summary.get('compression', math.nan):.2f}x fewer bytes sent in the last step)"
+               if summary.get("active") else f"sdp4bit off ({summary.get('reason', 'no summary')})")
+        print(f"[train_hf] {desc}; world {out['world']}; {sdp}; final loss "
               f"{out['losses'].get(max(out['losses']), math.nan):.4f}; held-out loss {out['eval_loss']:.4f} "
               f"(engine) / {out['reloaded_eval_loss']:.4f} (save_model -> from_pretrained)", flush=True)
         _write(args.out, out)
     return out
+
+
+def finished_steps(out_dir: str):
+    """The global step of the latest ``checkpoint-*`` in ``out_dir`` (None when there is none)."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    last = get_last_checkpoint(out_dir) if os.path.isdir(out_dir) else None
+    if last is None:
+        return None
+    with open(os.path.join(last, "trainer_state.json")) as f:
+        return int(json.load(f)["global_step"])
+
+
+def _read(out_dir: str):
+    path = os.path.join(out_dir, "log.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def _write(out_dir: str, out: dict) -> None:

@@ -1,7 +1,7 @@
 """examples/train_hf.py: SDP4Bit through the Hugging Face Trainer / accelerate, on 2 gloo ranks (torchrun).
 
-Four launches: ZeRO-3 (configs/zero3.json, unchanged) and SDP4Bit for 2 * HALF steps each, and SDP4Bit
-stopped after HALF steps (checkpointed) then resumed with ``resume_from_checkpoint``.  SDP4Bit is
+Five launches: ZeRO-3 (configs/zero3.json, unchanged) and SDP4Bit for 2 * HALF steps each, and SDP4Bit
+stopped after HALF steps (checkpointed), resumed with ``resume_from_checkpoint``, then resumed once more.  SDP4Bit is
 configs/sdp4bit.json with the 2 ranks as 2 nodes x 1 and the full replica (``topology.gpus_per_node = 1``,
 ``weights.replica = "full"``), so that both the inter-node gradient level and the weight refresh are on the
 wire.  Tolerances (tiny GPT-2, bytes of this package's source, lr 6e-4):
@@ -10,7 +10,8 @@ wire.  Tolerances (tiny GPT-2, bytes of this package's source, lr 6e-4):
   across the "nodes", 4-bit weight differences).
 * save_model -> from_pretrained: the held-out loss of the reloaded model equals the engine's within 1e-3
   (observed equal: the same bf16 weights, the same bf16 forward).
-* resume: every step after the resume equals the uninterrupted run within 1e-4, "4 decimals" (observed equal).
+* resume: every step after the resume equals the uninterrupted run within 1e-4, "4 decimals" (observed equal); the
+  log covers the whole run; resuming a finished run trains nothing.
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ def runs(tmp_path_factory):
         "sdp4bit": _launch(d / "sdp4bit", sdp),
         "stopped": _launch(d / "resume", sdp, "--stop-at", str(HALF)),
         "resumed": _launch(d / "resume", sdp, "--resume"),
+        # the finished run resumed again: nothing to do (transformers alone would train a step past max_steps)
+        "again": _launch(d / "resume", sdp, "--resume"),
+        "dir": d / "resume",
     }
 
 
 def test_every_rank_trains_in_one_world(runs):
     # accelerate alone would run each CPU rank as its own world of 1 (the example's CPU branch says why)
-    assert all(r["world"] == RANKS for r in runs.values())
+    assert all(runs[k]["world"] == RANKS for k in ("zero3", "sdp4bit", "stopped", "resumed"))
 
 
 def test_sdp4bit_is_active_through_the_trainer(runs):
@@ -97,9 +101,12 @@ def test_save_model_reloads_with_from_pretrained(runs, name):
 def test_resume_continues_like_the_uninterrupted_run(runs):
     full, stopped, resumed = runs["sdp4bit"]["losses"], runs["stopped"]["losses"], runs["resumed"]["losses"]
     assert sorted(stopped) == list(range(1, HALF + 1))
-    assert sorted(resumed) == list(range(HALF + 1, 2 * HALF + 1))
-    for k in stopped:
-        assert abs(stopped[k] - full[k]) <= 1e-4, (k, stopped[k], full[k])
+    # the resumed run's log is the whole run's: the steps before the checkpoint as the first part logged them
+    assert sorted(resumed) == list(range(1, 2 * HALF + 1))
+    assert all(resumed[k] == stopped[k] for k in stopped)
     for k in resumed:
         assert abs(resumed[k] - full[k]) <= 1e-4, (k, resumed[k], full[k])
     assert abs(runs["resumed"]["eval_loss"] - runs["sdp4bit"]["eval_loss"]) <= 1e-4
+    # resuming the finished run trained nothing and left its log and checkpoints alone
+    assert runs["again"] == runs["resumed"]
+    assert {p.name for p in runs["dir"].glob("checkpoint-*")} == {f"checkpoint-{HALF}", f"checkpoint-{2 * HALF}"}
