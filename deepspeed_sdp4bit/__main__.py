@@ -220,6 +220,8 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         except SDP4BitConfigError as e:
             if gpus_per_node is None and "LOCAL_WORLD_SIZE" in str(e):
                 raise SDP4BitConfigError(f"{e} (here: pass --gpus-per-node G, the ranks per host)") from None
+            if gpus_per_node is not None and "LOCAL_WORLD_SIZE=" in str(e):
+                raise SDP4BitConfigError(f"{e} (here: --gpus-per-node {gpus_per_node})") from None
             raise
         new_config, cfg, off_reason, notes = rp.ds_config, rp.cfg, rp.off_reason, list(rp.notes)
         out: Dict[str, Any] = {"world": world, "active": cfg.active, "lines": [], "cfg": cfg.model_dump()}
@@ -238,7 +240,8 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         try:
             gpn = resolve_gpus_per_node(cfg.topology.gpus_per_node, world)
         except ValueError as e:
-            raise SDP4BitConfigError(str(e)) from None
+            here = " (here: --gpus-per-node)" if cfg.topology.gpus_per_node is None and gpus_per_node else ""
+            raise SDP4BitConfigError(f"{e}{here}") from None
     src = ("sdp4bit.topology.gpus_per_node" if cfg.topology.gpus_per_node is not None
            else "gpus_per_node omitted: the launcher's ranks per host, --gpus-per-node")
     shape = TopologyShape(world // gpn, gpn)

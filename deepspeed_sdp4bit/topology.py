@@ -65,8 +65,9 @@ def resolve_gpus_per_node(setting: Optional[int], world_size: int) -> int:
     else:
         gpn = int(setting)
     if gpn < 1 or world_size % gpn:
-        raise ValueError(f"sdp4bit.topology.gpus_per_node={gpn} must divide the data-parallel world size "
-                         f"{world_size}")
+        what = (f"sdp4bit.topology.gpus_per_node={gpn}" if setting is not None else
+                f"the launcher's ranks per host (LOCAL_WORLD_SIZE={gpn}; sdp4bit.topology.gpus_per_node omitted)")
+        raise ValueError(f"{what} must divide the data-parallel world size {world_size}")
     return gpn
 
 

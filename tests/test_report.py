@@ -90,9 +90,17 @@ def test_linter_gives_the_runtime_error_and_exit_1(tmp_path, capsys, mutate):
     assert str(e.value) in capsys.readouterr().err
 
 
-def test_linter_refuses_a_topology_that_does_not_divide_the_world(capsys):
+def test_linter_refuses_a_topology_that_does_not_divide_the_world(capsys, tmp_path):
+    # gpus_per_node omitted: the launcher's ranks per host, here --gpus-per-node, is what does not divide
     assert report.main(["--ds-config", str(CONFIGS / "sdp4bit.json"), "--world", "6", "--gpus-per-node", "4"]) == 1
-    assert "must divide the data-parallel world size 6" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the launcher's ranks per host (LOCAL_WORLD_SIZE=4; sdp4bit.topology.gpus_per_node omitted) must " \
+           "divide the data-parallel world size 6 (here: --gpus-per-node 4)" in err
+    # set in the config: the key is named
+    cfg = json.loads((CONFIGS / "sdp4bit.json").read_text())
+    cfg["sdp4bit"]["topology"] = {"gpus_per_node": 4}
+    assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "6"]) == 1
+    assert "sdp4bit.topology.gpus_per_node=4 must divide the data-parallel world size 6" in capsys.readouterr().err
 
 
 def test_plain_config_passes(capsys):
