@@ -331,7 +331,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="memory of one accelerator (GiB): with --params, an omitted weights.replica is chosen "
                          "exactly as at run time")
     ap.add_argument("--json", action="store_true", help="print JSON instead of text")
+    ap.add_argument("--keys", action="store_true", help="print every key of the sdp4bit block (markdown table)")
     a = ap.parse_args(argv)
+    if a.keys:
+        from .config import key_table
+
+        print(key_table(), end="")
+        return 0
     if a.ds_config is None:
         if a.world is not None or a.gpus_per_node is not None or a.params is not None:
             ap.error("--world/--gpus-per-node/--params need --ds-config")

@@ -49,23 +49,37 @@ Rounding = Literal["nearest", "stochastic"]
 class WeightsConfig(_Strict):
     """qWD: the weight all-gather becomes a 4-bit all-gather of differences to a persistent replica."""
 
-    enabled: bool = True
+    enabled: bool = Field(True,
+                          description="qWD on (the weight all-gather as 4-bit differences to a persistent replica)")
     # diff = the paper's qWD; direct = the qW ablation (quantize the weights themselves: known to stall).
-    mode: Literal["diff", "direct"] = "diff"
-    bits: Literal[4, 8] = 4
+    mode: Literal["diff", "direct"] = Field("diff",
+                                            description=("`diff` = qWD (the paper's method); `direct` = the qW "
+                                                         "ablation (the weights themselves quantized; known to "
+                                                         "stall)"))
+    bits: Literal[4, 8] = Field(4, description="bits per value of the weight differences")
     # 2048 is the paper's choice: 4 + 32/2048 = 4.016 bits per value on the wire.
-    group_size: int = Field(2048, ge=32, le=1 << 20)
+    group_size: int = Field(2048, ge=32, le=1 << 20,
+                            description=("values per quantization group (one fp32 scale each); 2048 = 4.016 bits per "
+                                         "value; a multiple of 32"))
     # Nearest is the paper's formula; the error is carried into the next difference either way.
-    rounding: Rounding = "nearest"
+    rounding: Rounding = Field("nearest",
+                               description=("rounding of the differences (the error is carried into the next step "
+                                            "either way)"))
     # node = one replica per node (DeepSpeed hpZ secondary partition kept across steps),
     # full = every rank keeps all weights (the paper's Megatron setting; no gathers in forward/backward).
     # Omitted = chosen when the engine is built (integration.choose_replica): full when the model's bf16 copy
     # fits ``full_replica_budget`` of the accelerator's memory, node otherwise; the choice is logged once.
     # (Never spelt "auto": HF accelerate takes every "auto" in a ds_config for its own placeholder.)
-    replica: Optional[Literal["node", "full"]] = None
+    replica: Optional[Literal["node", "full"]] = Field(None,
+                                                       description=("`node` = one bf16 copy per node (DeepSpeed's "
+                                                                    "hpZ partition), `full` = the whole bf16 model "
+                                                                    "on every rank (no weight gathers in forward and "
+                                                                    "backward)"))
     # Fraction of one accelerator's memory the full bf16 replica (2 bytes per parameter) may take when
     # ``replica`` is omitted.  0.25 leaves three quarters for activations, master weights and optimizer state.
-    full_replica_budget: float = Field(0.25, gt=0.0, le=1.0)
+    full_replica_budget: float = Field(0.25, gt=0.0, le=1.0,
+                                       description=("the share of one accelerator's memory a `full` replica may take "
+                                                    "when `replica` is omitted"))
     # The step's refresh runs in this many pieces (fewer where a piece would hold less than 16 quantization
     # groups per rank), cut at module boundaries by parameter count in the order the model registers its
     # modules; each piece is quantized, exchanged and applied on its own (its own quantization groups), so
@@ -76,8 +90,13 @@ class WeightsConfig(_Strict):
     # measured 0.95-1.26x the step time of the refresh inside step() (README's support table); it stays an
     # opt-in until it is measured on one process per GPU.  The node replica is always refreshed inside
     # ``step()`` (DeepSpeed's own gathers read it, prefetching ahead of the forward).
-    pieces: int = Field(16, ge=1, le=256)
-    overlap: bool = False
+    pieces: int = Field(16, ge=1, le=256,
+                        description=("the weight refresh after each step runs in this many pieces cut at module "
+                                     "boundaries (smaller exchange buffers)"))
+    # Full replica: the pieces on a side stream, each module's forward waiting only for its own (see pieces).
+    overlap: bool = Field(False,
+                          description=("`full` replica: the pieces on a side stream, each module's forward waiting "
+                                       "only for its own (off: no gain measured with ranks sharing a GPU)"))
 
     @field_validator("group_size")
     @classmethod
@@ -90,21 +109,29 @@ class WeightsConfig(_Strict):
 class GradientsConfig(_Strict):
     """TLq-HS: the gradient reduce-scatter becomes two quantized all-to-alls."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="TLq-HS on (the gradient reduce-scatter as two quantized all-to-alls)")
     # 16 = that level is sent unquantized (in the communication dtype).
-    intra_bits: Literal[4, 8, 16] = 8
-    inter_bits: Literal[4, 8, 16] = 4
-    group_size: int = Field(128, ge=32, le=1 << 16)
-    hadamard: bool = True
-    hadamard_size: int = 32
+    intra_bits: Literal[4, 8, 16] = Field(8, description="bits per value inside a node (16 = unquantized)")
+    inter_bits: Literal[4, 8, 16] = Field(4, description="bits per value between nodes (16 = unquantized)")
+    group_size: int = Field(128, ge=32, le=1 << 16,
+                            description="values per quantization group; a multiple of 32 and of `hadamard_size`")
+    hadamard: bool = Field(True, description="the Hadamard transform before quantizing (spreads outliers over a block)")
+    hadamard_size: int = Field(32, description="Hadamard block size: a power of two in 32..256")
     # The authors' code rounds gradients stochastically (unbiased); nearest is available for ablations.
-    rounding: Rounding = "stochastic"
+    rounding: Rounding = Field("stochastic",
+                               description=("rounding of the gradient quantization (stochastic: unbiased, as the "
+                                            "authors' code)"))
     # Split each bucket so chunk i's inter-node all-to-all overlaps chunk i+1's intra-node one.
-    pipeline_chunks: int = Field(1, ge=1, le=64)
+    pipeline_chunks: int = Field(1, ge=1, le=64,
+                                 description=("chunks per bucket, so one chunk's inter-node all-to-all overlaps the "
+                                              "next one's intra-node work"))
     # Each parameter's piece of a bucket starts a new quantization group (and Hadamard block), so a large
     # gradient's abs-max never sets the scale of a neighbouring bias or norm gain (issue 21); costs < group_size
     # zeros per parameter per segment.  False = DeepSpeed's packed layout (for ablations).
-    align_params: bool = True
+    align_params: bool = Field(True,
+                               description=("each parameter's piece of a bucket starts a new quantization group (a "
+                                            "bias never shares a large weight gradient's scale); `false` = "
+                                            "DeepSpeed's packed layout, for ablations"))
 
     @field_validator("hadamard_size")
     @classmethod
@@ -126,7 +153,9 @@ class GradientsConfig(_Strict):
 
 class TopologyConfig(_Strict):
     # Omitted (None) = the launcher's LOCAL_WORLD_SIZE; an int lets one host act as several logical nodes.
-    gpus_per_node: Optional[int] = None
+    gpus_per_node: Optional[int] = Field(None,
+                                         description=("ranks per node; an integer lets one host act as several "
+                                                      "logical nodes"))
 
     @field_validator("gpus_per_node")
     @classmethod
@@ -140,20 +169,27 @@ class TopologyConfig(_Strict):
 class SDP4BitConfig(_Strict):
     """The whole ``"sdp4bit"`` block."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="SDP4Bit on (`false`, or no block: plain ZeRO-3)")
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     gradients: GradientsConfig = Field(default_factory=GradientsConfig)
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
     # Omitted (None): on GPUs each op from the fastest measured backend that runs there (ops.AUTO_ORDER, the
     # backend ops.py calls "auto"), torch on CPU.  A name forces that backend for every op.
-    kernel_backend: Optional[Literal["cuda", "triton", "torch"]] = None
+    kernel_backend: Optional[Literal["cuda", "triton", "torch"]] = Field(None,
+                                                                         description="kernel backend for every op")
     # Seeds every stochastic-rounding stream together with (step, rank, bucket, level): reproducible runs.
-    seed: int = Field(1234, ge=0, lt=1 << 32)
+    seed: int = Field(1234, ge=0, lt=1 << 32,
+                      description=("seeds every stochastic-rounding stream (with step, rank, bucket, level): "
+                                   "reproducible runs"))
     # Print the per-step communication summary every N optimizer steps on rank 0 (0 = never).
-    summary_interval: int = Field(0, ge=0)
+    summary_interval: int = Field(0, ge=0,
+                                  description=("print the per-step communication summary every N optimizer steps on "
+                                               "rank 0 (0 = never)"))
     # With one node there is no slow link to save: SDP4Bit stays off (plain ZeRO-3, bit for bit) unless this
     # is true.  Inside a node NVLink carries ZeRO-3's bf16 collectives faster than a quantized all-to-all.
-    quantize_single_node: bool = False
+    quantize_single_node: bool = Field(False,
+                                       description=("quantize on a single node too (off: one node has no slow link, "
+                                                    "and NVLink carries ZeRO-3's bf16 collectives faster)"))
 
     @property
     def active(self) -> bool:
@@ -169,7 +205,44 @@ class SDP4BitConfig(_Strict):
 AUTOMATIC = {
     "topology.gpus_per_node": "the launcher's LOCAL_WORLD_SIZE",
     "kernel_backend": "per op the fastest kernel backend that runs on the device",
+    "weights.replica": "`full` when the bf16 copy fits `full_replica_budget`, else `node` (logged)",
 }
+
+
+def key_table() -> str:
+    """Every key of the block as a markdown table (key, default, allowed values, the field's description):
+    README.md's key reference (``python -m deepspeed_sdp4bit --keys``; the tests check the README against it)."""
+    def allowed(field) -> str:
+        ann = field.annotation
+        args = [a for a in get_args(ann) if a is not type(None)]
+        lits = [x for a in args for x in get_args(a)] or list(get_args(ann))
+        if lits and all(not isinstance(x, type) for x in lits):
+            return ", ".join(f"`{json.dumps(x)}`" for x in lits)
+        lo = hi = ""
+        for m in field.metadata:
+            if getattr(m, "ge", None) is not None:
+                lo = f"{m.ge}"
+            if getattr(m, "gt", None) is not None:
+                lo = f"> {m.gt}"
+            if getattr(m, "le", None) is not None:
+                hi = f"{m.le}"
+            if getattr(m, "lt", None) is not None:
+                hi = f"< {m.lt}"
+        kind = {int: "integer", float: "number", bool: "`true`, `false`"}[args[0] if args else ann]
+        return kind + (f" {lo}..{hi}" if lo or hi else "")
+
+    rows = ["| key | default | allowed | what |", "|---|---|---|---|"]
+    for prefix, model in (("", SDP4BitConfig), ("weights.", WeightsConfig), ("gradients.", GradientsConfig),
+                          ("topology.", TopologyConfig)):
+        for name, field in model.model_fields.items():
+            if isinstance(field.default_factory, type):   # a section: its keys follow
+                continue
+            if not field.description:
+                raise AssertionError(f"sdp4bit.{prefix}{name} has no description")
+            default = ("omitted: " + AUTOMATIC.get(prefix + name, "chosen at run time") if field.default is None
+                       else f"`{json.dumps(field.default)}`")
+            rows.append(f"| `{prefix}{name}` | {default} | {allowed(field)} | {field.description} |")
+    return "\n".join(rows) + "\n"
 
 
 def _home_of(key: str, where) -> Optional[str]:

@@ -184,3 +184,16 @@ def test_null_block_is_an_error_like_any_non_object():
     with pytest.raises(SDP4BitConfigError, match="JSON object"):
         parse_ds_config({**_zero3(), "sdp4bit": True})
     assert not parse_ds_config({**_zero3(), "sdp4bit": {"enabled": False}}).active
+
+
+def test_readme_key_table_is_the_config_itself():
+    """README.md's key reference is ``config.key_table()`` (every key with a description, default, allowed values):
+    a key added, removed or changed without the README fails here."""
+    from deepspeed_sdp4bit.config import key_table
+
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("<!-- config:keys:begin -->\n", 1)[1].split("<!-- config:keys:end -->", 1)[0]
+    assert block == key_table(), "README.md's key table is stale: replace it by `python -m deepspeed_sdp4bit --keys`"
+    keys = [line.split("`")[1] for line in block.splitlines()[2:]]
+    assert "weights.replica" in keys and "gradients.align_params" in keys and "topology.gpus_per_node" in keys
+    assert all(not k.endswith(("weights", "gradients", "topology")) for k in keys)   # sections are not keys
