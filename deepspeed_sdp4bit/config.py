@@ -93,7 +93,6 @@ class WeightsConfig(_Strict):
     pieces: int = Field(16, ge=1, le=256,
                         description=("the weight refresh after each step runs in this many pieces cut at module "
                                      "boundaries (smaller exchange buffers)"))
-    # Full replica: the pieces on a side stream, each module's forward waiting only for its own (see pieces).
     overlap: bool = Field(False,
                           description=("`full` replica: the pieces on a side stream, each module's forward waiting "
                                        "only for its own (off: no gain measured with ranks sharing a GPU)"))
