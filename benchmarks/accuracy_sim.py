@@ -423,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--probe-every", type=int, default=25)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms (and cuBLAS's fixed workspace): a run repeats bit for "
+                        "bit, so two variants of one data seed differ by their quantization alone (on a GPU, "
+                        "atomics in backward otherwise add run-to-run noise of their own)")
     p.add_argument("--device", default="cpu", help="cpu or cuda: the W ranks share this one device")
     p.add_argument("--backend", default="torch", help="kernel backend (torch, triton, cuda, auto)")
     p.add_argument("--out", required=True, help="JSON file; runs are appended to it (keyed by variant/topo/seed)")
@@ -459,6 +463,9 @@ def main(argv=None):
         print(text)
         return
     torch.set_num_threads(a.threads)
+    if a.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # read when cuBLAS starts: before any matmul
+        torch.use_deterministic_algorithms(True)
     corpus, desc = load_corpus(None)
     out = Path(a.out)
     doc = json.loads(out.read_text()) if out.exists() else {"runs": []}

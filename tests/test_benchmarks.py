@@ -450,6 +450,8 @@ def test_accuracy_sim_tracks_the_real_engine_and_stops_by_its_deadline(tmp_path)
     """``accuracy-sim`` (issue 21's single-process simulation of W ranks through the real quantization code) gives
     the real engine's per-step losses for ZeRO-3 and SDP4Bit (2 gloo ranks as 2 nodes x 1, same model, data and
     seeds), fills the distances to ZeRO-3, and stops a run early by --deadline with its status saying so."""
+    import torch
+
     from benchmarks import accuracy_sim
 
     steps = 4
@@ -485,7 +487,6 @@ def test_accuracy_sim_tracks_the_real_engine_and_stops_by_its_deadline(tmp_path)
     corpus, _ = accuracy_sim.load_corpus(None)
     r = accuracy_sim.run(a, "qwd", "2x1", 5, corpus)
     assert (r["status"], r["steps_done"], len(r["losses"])) == ("stopped", 1, 1)
-    torch = pytest.importorskip("torch")
     torch.save(r.pop("final_weights"), cache / accuracy_sim.weights_file(r, a))   # as main() leaves it
     r["args"] = {"d_model": a.d_model, "layers": a.layers}
     (tmp_path / "st.json").write_text(json.dumps({"runs": [r]}))
@@ -495,3 +496,14 @@ def test_accuracy_sim_tracks_the_real_engine_and_stops_by_its_deadline(tmp_path)
     dl_out = tmp_path / "dl.json"
     accuracy_sim.main(["--variants", "qwd", "--steps", "50", "--deadline", "1e-9"] + common[:-1] + [str(dl_out)])
     assert not dl_out.exists()
+    # --deterministic runs and repeats bit for bit (a CPU run repeats anyway: this checks the flag's path; the
+    # GPU's atomics are what it is for)
+    try:
+        twice = []
+        for i in range(2):
+            out_i = tmp_path / f"det{i}.json"
+            accuracy_sim.main(["--variants", "sdp4bit", "--steps", "2", "--deterministic"] + common[:-1] + [str(out_i)])
+            twice.append(json.loads(out_i.read_text())["runs"][0]["losses"])
+        assert twice[0] == twice[1] and len(twice[0]) == 2
+    finally:
+        torch.use_deterministic_algorithms(False)
