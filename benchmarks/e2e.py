@@ -230,8 +230,7 @@ def run(args) -> int:
                                                         f"{n_gpus} GPUs, {args.transport}")) if world > 1
                        else ("cpu" if cpu else "1 GPU"),
                        "link_gbps": gbps, "nccl_socket_nthreads": threads, "nccl_nsocks_perthread": nsocks,
-                       "link_delay_us": delay,
-                       "config_snapshot": suite.config_snapshot(v.load(), v.replica, parse_block)}
+                       "link_delay_us": delay}
                 if v.replica == "node" and gpn == 1 and nodes > 1:
                     row.update(status="skipped", reason="replica node with one rank per node is the full "
                                                         "replica; the integration refuses it")
@@ -278,6 +277,9 @@ def run(args) -> int:
                 if one_gpu_flag:
                     targs.append("--one-gpu-per-rank")
                 targs += list(args.train_arg)
+                # what this run reads: the file with every --ds-set the command passes, the block resolved
+                row["config_snapshot"] = suite.config_snapshot(
+                    suite.apply_ds_set(v.load(), suite.ds_sets_of(targs)), None, parse_block)
                 cmd, env = suite.launch_command(suite.TRAIN, targs, world, rpg, cpu)
                 if not cpu and not share:
                     env.update(suite.TRANSPORTS[args.transport])

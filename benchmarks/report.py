@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -101,6 +102,68 @@ def _diff_text(diff: Dict[str, tuple]) -> str:
                      for k, (a, b) in diff.items())
 
 
+# Fixes after which a row measures something else than before, with the rows they concern: a row whose commit
+# lacks one ran today's default config, perhaps, but not today's code (``merge`` records them: ``fixes_missing``).
+RESULT_FIXES = {
+    "81caf8d": ("DeepSpeed's zero.Init also built hpZ secondary partitions for an omitted replica with several "
+                "ranks per node", lambda r: (r.get("gpus_per_node") or 1) > 1 and _omitted_replica(r)),
+}
+
+
+def _omitted_replica(r: dict) -> bool:
+    snap = r.get("config_snapshot") or {}
+    return bool(snap.get("sdp4bit.enabled")) and snap.get("sdp4bit.weights.enabled", True) \
+        and snap.get("sdp4bit.weights.replica", "absent") is None
+
+
+def fixes_missing(r: dict, _cache: Dict[tuple, Optional[bool]] = {}) -> Optional[List[str]]:  # noqa: B006
+    """The RESULT_FIXES that concern ``r`` and that its commit lacks (git ancestry); None when its commit is not
+    known to git here (or was a dirty tree)."""
+    commit = str(r.get("commit") or "")
+    if not commit or "+" in commit or commit == "unknown":
+        return None
+    out = []
+    for fix, (_, applies) in RESULT_FIXES.items():
+        if not applies(r):
+            continue
+        if (fix, commit) not in _cache:
+            try:
+                rc = subprocess.run(["git", "merge-base", "--is-ancestor", fix, commit], cwd=suite.REPO,
+                                    capture_output=True, timeout=60).returncode
+            except (OSError, subprocess.TimeoutExpired):
+                rc = 128
+            _cache[(fix, commit)] = {0: True, 1: False}.get(rc)
+        has = _cache[(fix, commit)]
+        if has is None:
+            return None
+        if not has:
+            out.append(fix)
+    return out
+
+
+def runs_today(r: dict, today: Dict[str, object], ignore: Sequence[str] = ()) -> Optional[bool]:
+    """Whether ``r`` ran today's default: its config (less the keys of ``ignore``) and every fix of RESULT_FIXES
+    that concerns it; None when either is not recorded (``merge --backfill-configs``)."""
+    diff = differences_from_default(r, today)
+    if diff is None:
+        return None
+    if any(k not in ignore for k in diff):
+        return False
+    missing = r.get("fixes_missing")
+    return None if missing is None else not missing
+
+
+def config_run(r: dict, today: Dict[str, object]) -> str:
+    """The headline's words for what ``r`` ran, against today's default."""
+    diff, missing = differences_from_default(r, today), r.get("fixes_missing")
+    if diff is None or missing is None:
+        return "not known (no config snapshot or commit)"
+    before = "; ".join(f"before {f} ({RESULT_FIXES[f][0]})" for f in missing)
+    if not diff:
+        return "today's default" + (f" config, {before}" if before else "")
+    return f"the default of {r.get('commit')}: {_diff_text(diff)}" + (f"; {before}" if before else "")
+
+
 def default_rows(rows: Sequence[dict], model: str, topo: str, today: Dict[str, object]) -> List[dict]:
     """Every ok unshaped row at (model, topology) that ran today's default config (whatever its variant was
     called) or the shipped default of its own commit (``default``), oldest first."""
@@ -109,11 +172,26 @@ def default_rows(rows: Sequence[dict], model: str, topo: str, today: Dict[str, o
                   key=lambda r: r.get("created", ""))
 
 
+def one_per_run(rs: Sequence[dict], today: Dict[str, object]) -> List[dict]:
+    """Of rows of several runs, one per run: the one nearest today's default (today's > today's config > its
+    commit's default), oldest run first."""
+    def rank(r):
+        return (runs_today(r, today) is True, differences_from_default(r, today) == {}, r.get("created", ""))
+    best: Dict[str, dict] = {}
+    for r in rs:
+        k = r.get("run_id")
+        if k not in best or rank(r) > rank(best[k]):
+            best[k] = r
+    return sorted(best.values(), key=lambda r: r.get("created", ""))
+
+
 def headline_row(rows: Sequence[dict], model: str, topo: str, today: Dict[str, object]) -> Optional[dict]:
-    """The newest row that ran today's default config, else the newest shipped default of its commit."""
+    """The newest row that ran today's default (config and code), else the newest that ran its config, else the
+    newest shipped default of its commit."""
     cands = default_rows(rows, model, topo, today)
-    same = [r for r in cands if differences_from_default(r, today) == {}]
-    return (same or cands or [None])[-1]
+    same = [r for r in cands if runs_today(r, today) is True]
+    config = [r for r in cands if differences_from_default(r, today) == {}]
+    return (same or config or cands or [None])[-1]
 
 
 def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict], bool]:
@@ -164,12 +242,17 @@ def throughput_table(rows: Sequence[dict]) -> str:
         n, g = suite.parse_topology(topo)
         return (model, n * g, topo, machine, ORDER.index(var) if var in ORDER else len(ORDER), var)
 
+    today = today_default()
+
+    def default_cell(r):   # today's default (config and fixes), or the default of its commit then
+        return "today" if runs_today(r, today) else ("then" if r.get("default") else "")
+
     for k in sorted(best, key=order):
         r = best[k]
         wire = r.get("wire_bytes_total")
         lines.append("| " + " | ".join([
             str(r["model"]), str(r["topology"]), str(r.get("mode")), str(r["variant"]),
-            str(r.get("replica") or "-"), "yes" if r.get("default") else "",
+            str(r.get("replica") or "-"), default_cell(r),
             f"{r['ms_per_step']:.1f} ({r['ms_min']:.0f}-{r['ms_max']:.0f})",
             _fmt(r.get("tokens_per_s"), ",.0f"),
             _fmt(r["peak_mem_bytes"] / 2 ** 30 if r.get("peak_mem_bytes") else None, ".1f"),
@@ -180,21 +263,23 @@ def throughput_table(rows: Sequence[dict]) -> str:
     # runs that did not finish, of the cells (knob settings included) with no finished run: a later run that did
     # stands for them, and so does a topology-independent run (ZeRO-3 / ZeRO++ in share-GPU mode) of the ranks
     def cell(r):
-        return _key(r), link.settings_of(r)
+        return _key(r), link.settings_of(r), str(r.get("machine"))
 
     def ranks_cell(r):   # a topology-independent run covers every topology of its rank count
-        return r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r)
+        return r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r), str(r.get("machine"))
 
     done = {cell(r) for r in _ok(rows)}
     anywhere = {ranks_cell(r) for r in _ok(rows) if r.get("topology_independent")}
     failed = [r for r in rows if r.get("status") != "ok" and cell(r) not in done and ranks_cell(r) not in anywhere]
-    note = ("\nms/step: median of the timed steps of one run (after the warm-up steps), min-max beside it. "
+    note = ("\nms/step: median of the timed steps of one run (after the warm-up steps), min-max beside it. default: "
+            "`today` = today's shipped default (config and the fixes that change results), `then` = the shipped "
+            "default of the row's commit. "
             "bound fraction: the world-1 ZeRO-3 step of the same model x the ranks sharing one device, divided by "
             "this step time. vs ZeRO-3 / ZeRO++: their ms/step / this ms/step inside the same run (`*`: from "
             "another run on the same machine and mode). wire: bytes one rank sends per step (SDP4Bit's from "
             "`engine.sdp4bit_summary()`, DeepSpeed's by formula, see benchmarks/e2e.py).\n")
     if failed:   # one entry per cell and outcome, however many runs it failed or was skipped in
-        notes = [f"{r.get('model')} {r.get('topology')} {r.get('variant')}"
+        notes = [f"{r.get('model')} {r.get('topology')} {r.get('variant')} ({_short(r.get('machine'))})"
                  + ("" if link.unshaped(r) else f" (knob {link.label(r.get('link_gbps'))} Gb/s"
                     + (f", {r['link_delay_us']:g} us" if r.get("link_delay_us") else "") + ")")
                  + f": {r.get('status')}" + (f" ({r.get('reason')})" if r.get("reason") else "") for r in failed]
@@ -202,9 +287,16 @@ def throughput_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n" + note
 
 
+def _short(machine) -> str:
+    """``H100`` for "NVIDIA H100 80GB HBM3"."""
+    words = str(machine).replace("NVIDIA ", "").split()
+    return words[0] if words else str(machine)
+
+
 def throughput_png(rows: Sequence[dict], png: Path) -> bool:
-    best = latest(rows)
-    cells = sorted({(m, t) for m, t, _ in best if t != "1x1"})
+    best = {(m, t, v, _short(g)): r for (m, t, v, g), r in latest(rows, per_machine=True).items()}
+    cells = sorted({(m, t, g) for m, t, _, g in best if t != "1x1"},
+                   key=lambda c: (c[0], suite.parse_topology(c[1])[0] * suite.parse_topology(c[1])[1], c[1], c[2]))
     if not cells:
         return False
     import matplotlib
@@ -217,8 +309,8 @@ def throughput_png(rows: Sequence[dict], png: Path) -> bool:
     width = 0.8 / max(1, len(variants))
     for i, v in enumerate(variants):
         xs, ys = [], []
-        for j, (m, t) in enumerate(cells):
-            r = best.get((m, t, v))
+        for j, (m, t, g) in enumerate(cells):
+            r = best.get((m, t, v, g))
             b = baseline(r, rows, "zero3")[0] if r else None
             if r and b:
                 xs.append(j + (i - (len(variants) - 1) / 2) * width)
@@ -226,7 +318,7 @@ def throughput_png(rows: Sequence[dict], png: Path) -> bool:
         ax.bar(xs, ys, width, label=v)
     ax.axhline(1.0, color="k", linewidth=0.8)
     ax.set_xticks(range(len(cells)))
-    ax.set_xticklabels([f"{m}\n{t}" for m, t in cells])
+    ax.set_xticklabels([f"{m}\n{t}\n{g}" for m, t, g in cells], fontsize=8)
     ax.set_ylabel("speed-up vs ZeRO-3 (step time ratio)")
     machines = sorted({str(best[k].get("machine")) for k in best})
     modes = sorted({str(best[k].get("mode")) for k in best if k[1] != "1x1"})
@@ -588,11 +680,8 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
         if r is None:
             cells, where = [NM, NM, NM, NM, NM, "-"], "-"
         else:
-            diff = differences_from_default(r, today)
-            run = ("today's default" if diff == {} else "unknown" if diff is None else
-                   f"the default of {r.get('commit')}: {_diff_text(diff)}")
             cells = [f"{r['ms_per_step']:.0f}", _ratio(r, tp_rows, "zero3"), _ratio(r, tp_rows, "zeropp"),
-                     _fmt(r.get("bound_fraction"), ".0%", NM), _link_cell(r), run]
+                     _fmt(r.get("bound_fraction"), ".0%", NM), _link_cell(r), config_run(r, today)]
             where = f"{r.get('machine')}, {r.get('mode')} ({r.get('commit')})"
         lines.append(f"| {model} | {topo} | " + " | ".join(cells) + f" | {where} |")
     loss = ["| model | ranks | topology | lr schedule | steps | runs (seeds) | train loss vs ZeRO-3, same seed | "
@@ -621,10 +710,10 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
             "ratio is the run-to-run spread of the machine. The loopback's rate is not the same from call to call, "
             "nor ZeRO-3's step (see the support table), so ratios across runs (`*`) compare different links; "
             "the link column is NCCL's all-gather rate per rank measured inside the row's own run "
-            "(`e2e --probe-link`), where it was. Each cell shows the newest run of today's default config (whatever "
-            "the config file was called then), else the newest run of its commit's shipped default, and the `config "
-            "run` column says how that differs from today's (defaults changed: `weights.pieces` and "
-            "`gradients.align_params` arrived, `weights.overlap` was on for a while).\n\n"
+            "(`e2e --probe-link`), where it was. Each cell shows the newest run of today's default (its config, "
+            "whatever the file was called then, and the fixes that change results, `report.RESULT_FIXES`), else the "
+            "newest run of its commit's shipped default; the `config run` column says how that differs from "
+            "today's.\n\n"
             + "\n".join(lines) + "\n\n"
             "Loss of the default config against ZeRO-3 (mean of the last 50 train losses; each seed against "
             "ZeRO-3's runs of the same seed, their mean first; ZeRO-3's own spread over its runs beside it, "
@@ -645,77 +734,111 @@ def _same_run(r: dict, rows: Sequence[dict], config: str) -> Optional[dict]:
     return b if same else None
 
 
-def _verdict(ok: Sequence[bool]) -> str:
-    if not ok:
+def _mark(r: dict, today: Dict[str, object], ignore: Sequence[str] = ()) -> str:
+    """A row's commit, with ° when it did not run today's default (config or fixes) and ? when not known."""
+    t = runs_today(r, today, ignore)
+    return f"{r.get('commit')}" + ("" if t is True else "?" if t is None else "°")
+
+
+def _verdict(status: Sequence[str], unmeasured: Sequence[str] = ()) -> str:
+    """Runs' outcomes ("met", "not met", "incomplete": a baseline missing from the run) as one verdict."""
+    if not status:
         return NM
-    return "met" if all(ok) else ("not met" if not any(ok) else f"met in {sum(ok)} of {len(ok)} runs")
-
-
-def _mark(r: dict, today: Dict[str, object]) -> str:
-    """A row's commit, with ° when the config it ran differs from today's default (? when not known)."""
-    diff = differences_from_default(r, today)
-    return f"{r.get('commit')}" + ("" if diff == {} else "?" if diff is None else "°")
+    met, inc, n = status.count("met"), status.count("incomplete"), len(status)
+    if met == n and not unmeasured:
+        out = "met"
+    elif met == 0 and inc == 0:
+        out = "not met"
+    else:
+        out = f"met in {met} of {n} runs" + (f" ({inc} without every baseline in the run)" if inc else "")
+    return out + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")
 
 
 def _speed_goal(rows: Sequence[dict], cells: Sequence[Tuple[str, str]], configs: Sequence[str],
                 today: Dict[str, object]) -> Tuple[str, str]:
-    """Same-run ratios of the default against each of ``configs`` per cell, every run listed; a run counts as
-    meeting the goal when every config of it that ran is >= GOAL_SPEEDUP x the default's step."""
-    parts, ok = [], []
+    """Per cell, every run of the default with its same-run ratios against ``configs``: a run meets the goal when
+    every one of them ran beside it and is >= GOAL_SPEEDUP x its step ("incomplete" when one did not run)."""
+    parts, status, unmeasured = [], [], []
     for model, topo in cells:
         runs = []
-        for r in default_rows(rows, model, topo, today):
-            bs = {c: _same_run(r, rows, c) for c in configs}
-            ratios = {c: b["ms_per_step"] / r["ms_per_step"] for c, b in bs.items() if b}
-            if not ratios:
+        for r in one_per_run(default_rows(rows, model, topo, today), today):
+            ratios = {c: (b["ms_per_step"] / r["ms_per_step"] if b else None)
+                      for c, b in ((c, _same_run(r, rows, c)) for c in configs)}
+            if all(v is None for v in ratios.values()):
                 continue
-            runs.append(" / ".join(f"{v:.2f}x" for v in ratios.values()) + f" ({_mark(r, today)})")
-            ok.append(all(v >= GOAL_SPEEDUP for v in ratios.values()))
+            got = [v for v in ratios.values() if v is not None]
+            status.append("not met" if any(v < GOAL_SPEEDUP for v in got) else
+                          "met" if len(got) == len(configs) else "incomplete")
+            runs.append(" / ".join("-" if v is None else f"{v:.2f}x" for v in ratios.values())
+                        + f" ({_mark(r, today)})")
+        if not runs:
+            unmeasured.append(f"{model} {topo}")
         parts.append(f"{model} {topo}: " + ("; ".join(runs) if runs else NM))
-    return "<br>".join(parts), _verdict(ok)
+    return "<br>".join(parts), _verdict(status, unmeasured)
 
 
 def _bound_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
-    parts, ok = [], []
+    parts, status, unmeasured = [], [], []
     for model in ("406M", "1.3B"):
         for topo, goal in GOAL_BOUND.items():
-            fr = [r for r in default_rows(rows, model, topo, today) if r.get("bound_fraction")]
-            ok += [r["bound_fraction"] >= goal for r in fr]
+            fr = [r for r in one_per_run(default_rows(rows, model, topo, today), today) if r.get("bound_fraction")]
+            status += ["met" if r["bound_fraction"] >= goal else "not met" for r in fr]
+            if not fr:
+                unmeasured.append(f"{model} {topo}")
             parts.append(f"{model} {topo} (>= {goal:.0%}): " + (", ".join(
                 f"{r['bound_fraction']:.0%} ({_mark(r, today)})" for r in fr) if fr else NM))
-    return "<br>".join(parts), _verdict(ok)
+    return "<br>".join(parts), _verdict(status, unmeasured)
 
 
 def _world1_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
-    parts, ok = [], []
+    """The default's step over ZeRO-3's in the same run at world size 1 (where SDP4Bit is off: both time the same
+    code), with each step's min-max: "not resolved" when the ratio is above the goal but the ranges, the
+    goal's 1% allowed, overlap (the run's own spread)."""
+    parts, verdicts = [], []
     for model in ("406M", "1.3B"):
-        for r in default_rows(rows, model, "1x1", today):
+        for r in one_per_run(default_rows(rows, model, "1x1", today), today):
             b = _same_run(r, rows, "zero3")
-            if b:
-                q = r["ms_per_step"] / b["ms_per_step"]
-                ok.append(q <= GOAL_WORLD1)
-                parts.append(f"{model}: {r['ms_per_step']:.0f} / {b['ms_per_step']:.0f} ms = {q:.3f}x "
-                             f"({r.get('machine')}, {_mark(r, today)})")
-    return "<br>".join(parts) or NM, _verdict(ok)
+            if not b:
+                continue
+            q = r["ms_per_step"] / b["ms_per_step"]
+            overlap = r.get("ms_min", r["ms_per_step"]) <= GOAL_WORLD1 * b.get("ms_max", b["ms_per_step"])
+            v = "met" if q <= GOAL_WORLD1 else ("not resolved" if overlap else "not met")
+            verdicts.append(v)
+            parts.append(f"{model}: {r['ms_per_step']:.1f} ({r.get('ms_min', 0):.0f}-{r.get('ms_max', 0):.0f}) vs "
+                         f"{b['ms_per_step']:.1f} ({b.get('ms_min', 0):.0f}-{b.get('ms_max', 0):.0f}) ms, "
+                         f"{100 * (q - 1):+.2f}%: {v} ({r.get('machine')}, {_mark(r, today)})")
+    if not verdicts:
+        return NM, NM
+    return "<br>".join(parts), ("met" if all(v == "met" for v in verdicts) else
+                                "not met" if "not met" in verdicts else "not resolved")
 
 
-def _memory_goal(rows: Sequence[dict], replica: str) -> Tuple[str, str]:
-    """Peak memory per rank above ZeRO-3 of the same run, per parameter, of the SDP4Bit rows (default config or
-    its replica forced) that ran ``replica``: full <= 2 B, node <= 2/gpus_per_node."""
-    parts, ok = [], []
-    for r in sorted(_ok(rows), key=lambda r: (r.get("model"), r.get("topology"), r.get("created", ""))):
-        if not (r.get("variant") in ("sdp4bit", "sdp4bit:node", "sdp4bit:full") and link.unshaped(r)
-                and r.get("replica") == replica and r.get("peak_mem_bytes") and r.get("n_params")):
-            continue
-        b = _same_run(r, rows, "zero3")
-        if not b or not b.get("peak_mem_bytes"):
-            continue
-        per = (r["peak_mem_bytes"] - b["peak_mem_bytes"]) / r["n_params"]
-        gpn = r.get("gpus_per_node") or suite.parse_topology(r["topology"])[1]
-        goal = 2.0 if r["replica"] == "full" else 2.0 / gpn
-        ok.append(per <= goal)
-        parts.append(f"{r['model']} {r['topology']}: {per:+.2f} B/param (<= {goal:g}; {r.get('commit')})")
-    return "<br>".join(parts) or NM, _verdict(ok)
+def _default_but(r: dict, today: Dict[str, object], *keys: str) -> bool:
+    """Whether ``r``'s config is today's default but for ``keys``."""
+    d = differences_from_default(r, today)
+    return d is not None and set(d) <= set(keys)
+
+
+def _memory_goal(rows: Sequence[dict], replica: str, today: Dict[str, object]) -> Tuple[str, str]:
+    """Peak memory per rank above ZeRO-3 of the same run, per parameter, of the rows that ran today's default or
+    its commit's, or that config with the replica forced, and ran ``replica``: full <= 2 B, node <= 2/gpn."""
+    parts, status = [], []
+    key = "sdp4bit.weights.replica"
+    cells = sorted({(r.get("model"), r.get("topology")) for r in _ok(rows)})
+    for model, topo in cells:
+        cands = [r for r in _ok(rows) if link.unshaped(r) and r.get("model") == model and r.get("topology") == topo
+                 and r.get("replica") == replica and r.get("peak_mem_bytes") and r.get("n_params")
+                 and (r.get("default") or r.get("variant") == f"sdp4bit:{replica}" or _default_but(r, today, key))]
+        for r in one_per_run(cands, today):
+            b = _same_run(r, rows, "zero3")
+            if not b or not b.get("peak_mem_bytes"):
+                continue
+            per = (r["peak_mem_bytes"] - b["peak_mem_bytes"]) / r["n_params"]
+            gpn = r.get("gpus_per_node") or suite.parse_topology(r["topology"])[1]
+            goal = 2.0 if replica == "full" else 2.0 / gpn
+            status.append("met" if per <= goal else "not met")
+            parts.append(f"{model} {topo}: {per:+.2f} B/param (<= {goal:g}; {_mark(r, today, ignore=(key,))})")
+    return "<br>".join(parts) or NM, _verdict(status)
 
 
 def _accuracy_goal(acc_rows: Sequence[dict]) -> Tuple[str, str]:
@@ -752,10 +875,12 @@ def _accuracy_goal(acc_rows: Sequence[dict]) -> Tuple[str, str]:
 
 
 GOALS_NOTE = ("Generated by `python -m benchmarks report` from the same rows (do not edit by hand): each open "
-              "issue's goal against every run that measured it, ratios only between rows of one run. `not "
-              "resolved`: the seeds run cannot tell the mean from the goal (mean +- 2 standard errors straddles "
-              "it). °: the run's config was the default of its commit, which differs from today's (the headline's "
-              "`config run` column says how); ?: not known (a row without a config snapshot).\n\n")
+              "issue's goal against every run that measured it, one row per run, ratios only between rows of one "
+              "run (the no-communication bound: the world-1 ZeRO-3 step of the same GPU, from any run). `not "
+              "resolved`: the runs cannot tell the result from the goal (for the loss, mean +- 2 standard errors "
+              "over seeds straddles it; at world size 1, the steps' own min-max spread does). °: the run did not "
+              "run today's default (another default then, or before a fix that changes results; the headline's "
+              "`config run` column says how); ?: not known.\n\n")
 
 
 def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], res: Optional[dict]) -> str:
@@ -764,17 +889,18 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], res: Optional
     rows: List[Tuple[str, str, str, str]] = []
     today = today_default()
     m, v = _world1_goal(tp_rows, today)
-    rows.append(("20", f"world size 1: default step <= {GOAL_WORLD1}x ZeRO-3 (same run; SDP4Bit is off there)", m, v))
+    rows.append(("20", f"world size 1: default step <= {GOAL_WORLD1}x ZeRO-3 (same run; SDP4Bit is off there, so "
+                 "both time the same code; its parameters are tested bit-equal on CPU)", m, v))
     four = [("406M", "2x2"), ("406M", "4x1"), ("1.3B", "2x2"), ("1.3B", "4x1")]
     m, v = _speed_goal(tp_rows, four, ["zero3", "zeropp"], today)
     rows.append(("20", f"4 ranks on one GPU: default >= {GOAL_SPEEDUP:g}x ZeRO-3 and ZeRO++ (each run: vs ZeRO-3 / "
-                 "vs ZeRO++ where it ran in the same run)", m, v))
+                 "vs ZeRO++, `-` where it did not run in the same run)", m, v))
     m, v = _speed_goal(tp_rows, [("406M", "2x4"), ("406M", "8x1")], ["zero3"], today)
     rows.append(("20", f"8 ranks on one GPU: default >= {GOAL_SPEEDUP:g}x ZeRO-3", m, v))
     m, v = _bound_goal(tp_rows, today)
     rows.append(("20", "4 ranks: default's share of the no-communication bound", m, v))
     for replica, goal in (("full", "<= 2 B/param"), ("node", "<= 2/gpus_per_node B/param")):
-        m, v = _memory_goal(tp_rows, replica)
+        m, v = _memory_goal(tp_rows, replica, today)
         rows.append(("20", f"peak memory per rank above ZeRO-3 (same run), replica {replica}: {goal}", m, v))
     m, v = _accuracy_goal(acc_rows)
     rows.append(("21", f"default's train loss (last 50 steps) within +{GOAL_GAP}% of ZeRO-3, seed-paired", m, v))
@@ -839,19 +965,29 @@ def run(args) -> int:
 
 
 def backfill_configs(rows: List[dict]) -> List[str]:
-    """Set ``config_snapshot`` (suite.config_snapshot_at) on ok rows that lack it; returns their ids."""
+    """What a throughput row ran, for rows measured before e2e recorded it: ``config_snapshot``
+    (suite.config_snapshot_at: the row's configs/ file read by its commit's code, assuming the run used that
+    commit's tree; rows of a dirty tree stay unknown) where missing, and ``fixes_missing`` (the RESULT_FIXES its
+    commit lacks) on every ok row, recomputed so that a fix added to the list reaches old rows.  Returns the ids
+    of the rows that got a snapshot."""
     done = []
     for r in rows:
-        if r.get("config_snapshot") is None and r.get("status") == "ok" and r.get("commit") and r.get("config"):
-            snap = suite.config_snapshot_at(str(r["commit"]).split("+")[0], r["config"], r.get("replica_requested"))
+        if r.get("status") != "ok":
+            continue
+        commit = str(r.get("commit") or "")
+        if r.get("config_snapshot") is None and commit and "+" not in commit and r.get("config"):
+            snap = suite.config_snapshot_at(commit, r["config"], r.get("replica_requested"))
             if snap is not None:
                 r["config_snapshot"] = snap
                 done.append(r["row_id"])
+        r["fixes_missing"] = fixes_missing(r)
     return done
 
 
 def run_merge(args) -> int:
     d = Path(args.dir)
+    if not args.files and not getattr(args, "backfill_configs", False):
+        raise SystemExit("merge: name the files to merge (or --backfill-configs)")
     if getattr(args, "backfill_configs", False):
         rows = suite.load_rows(d / "throughput.json")
         done = backfill_configs(rows)
@@ -882,6 +1018,8 @@ def run_merge(args) -> int:
         if q not in targets:
             print(f"merge: {f}: a {q} results file, kept in {d / 'runs'}")
             continue
+        if q == "e2e":   # what each new row ran, and the fixes its commit lacks
+            backfill_configs(rows)
         merged = suite.merge_rows(d / targets[q], rows)
         print(f"merge: {f}: {len(rows)} rows -> {d / targets[q]}")
         if q == "e2e":   # rows whose call had no world-1 row of their machine take it from the merged rows

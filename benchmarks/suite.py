@@ -156,9 +156,31 @@ def config_snapshot(cfg: dict, replica: Optional[str], parse_block) -> Dict[str,
     if block is not None:
         if replica:
             block.setdefault("weights", {})["replica"] = replica
-        out.update(_flat(parse_block(block).model_dump(), "sdp4bit."))
-        out.pop("sdp4bit.topology.gpus_per_node", None)
-    return {k: (None if v == "auto" else v) for k, v in out.items()}
+        resolved = _flat(parse_block(block).model_dump(), "sdp4bit.")
+        resolved.pop("sdp4bit.topology.gpus_per_node", None)
+        out.update({k: (None if v == "auto" else v) for k, v in resolved.items()})
+    return out
+
+
+def apply_ds_set(cfg: dict, items: Sequence[str]) -> dict:
+    """examples/dsconfig.py's ``apply_ds_set`` (train_gpt.py's ``--ds-set KEY=VALUE``): the same code."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_sdp4bit_examples_dsconfig", REPO / "examples" / "dsconfig.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.apply_ds_set(cfg, items)
+
+
+def ds_sets_of(train_args: Sequence[str]) -> List[str]:
+    """The ``KEY=VALUE`` of every ``--ds-set`` in a train_gpt.py argument list (``--ds-set X`` or ``--ds-set=X``)."""
+    out, args = [], list(train_args)
+    for i, a in enumerate(args):
+        if a == "--ds-set" and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif a.startswith("--ds-set="):
+            out.append(a[len("--ds-set="):])
+    return out
 
 
 def config_differences(row_snapshot: Dict[str, object], today: Dict[str, object]) -> Dict[str, tuple]:
@@ -171,23 +193,39 @@ def config_differences(row_snapshot: Dict[str, object], today: Dict[str, object]
 
 def config_snapshot_at(commit: str, config: str, replica: Optional[str]) -> Optional[Dict[str, object]]:
     """``config_snapshot`` of ``configs/<config>.json`` as the code of ``commit`` read it (its own
-    ``config.py`` from git), for rows measured before rows carried their snapshot; None where git does not have
-    both files."""
+    ``config.py`` from git), for rows measured before rows carried their snapshot.  It assumes the row ran
+    that commit's file with only the replica and the topology set on the command line (what e2e passed before
+    it recorded the snapshot).  None, with the reason printed, where git, the commit or a file is missing or
+    that config.py does not run here."""
     import types
 
     def show(path: str) -> Optional[str]:
-        r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO, capture_output=True, text=True)
+        try:
+            r = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=REPO, capture_output=True, text=True,
+                               timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"config_snapshot_at {commit}: git failed: {e}", file=sys.stderr)
+            return None
         return r.stdout if r.returncode == 0 else None
 
     src, cfg = show("deepspeed_sdp4bit/config.py"), show(f"configs/{config}.json")
     if src is None or cfg is None:
         return None
     name = f"_sdp4bit_config_at_{commit}"
-    if name not in sys.modules:   # pydantic resolves the module's annotations through sys.modules
+    if name not in sys.modules:
         mod = types.ModuleType(name)
-        sys.modules[name] = mod
-        exec(compile(src, f"{commit}:deepspeed_sdp4bit/config.py", "exec"), mod.__dict__)
-    return config_snapshot(json.loads(cfg), replica, sys.modules[name].parse_block)
+        sys.modules[name] = mod   # pydantic resolves the module's annotations through sys.modules
+        try:
+            exec(compile(src, f"{commit}:deepspeed_sdp4bit/config.py", "exec"), mod.__dict__)
+        except Exception as e:  # noqa: BLE001  (old code: whatever it raises, this commit has no snapshot)
+            del sys.modules[name]
+            print(f"config_snapshot_at {commit}: its config.py does not run here: {e!r}", file=sys.stderr)
+            return None
+    try:
+        return config_snapshot(json.loads(cfg), replica, sys.modules[name].parse_block)
+    except Exception as e:  # noqa: BLE001
+        print(f"config_snapshot_at {commit}: configs/{config}.json does not parse there: {e!r}", file=sys.stderr)
+        return None
 
 
 # ------------------------------------------------------------------------------------------- machine facts

@@ -87,7 +87,7 @@ class WeightsConfig(_Strict):
     # run on a side stream and a module's forward waits only for the pieces holding the parameters below it
     # (as FSDP2 prefetches), so the next forward starts before the whole exchange has arrived; without it the
     # refresh completes inside ``step()``.  Off by default: with 4 ranks sharing one GPU over sockets it
-    # measured 0.95-1.26x the step time of the refresh inside step() (README's support table); it stays an
+    # measured 0.95-1.26x the step time of the refresh inside step() (benchmarks/results/findings.md); it stays an
     # opt-in until it is measured on one process per GPU.  The node replica is always refreshed inside
     # ``step()`` (DeepSpeed's own gathers read it, prefetching ahead of the forward).
     pieces: int = Field(16, ge=1, le=256,

@@ -210,10 +210,9 @@ def choose_replica(gpus_per_node: int, n_params: Optional[int], budget: float, d
     if hpz > 1:
         return "node", f"zero_optimization.zero_hpz_partition_size={hpz} asks for per-node copies"
     if n_params is None or not device_bytes:
-        what = ("the model size is not known: a model built under deepspeed.zero.Init (as transformers builds it "
-                "for a ZeRO-3 Trainer) is partitioned while it is created; set sdp4bit.weights.replica to 'full' if "
-                "2 bytes per parameter fit each rank (the linter: --params)" if n_params is None
-                else "the accelerator's memory is not known (the linter: --device-memory-gb)")
+        what = ("the model size is not known: under deepspeed.zero.Init, as transformers builds a model for a "
+                "ZeRO-3 Trainer, parameters are partitioned while they are created (the linter: --params)"
+                if n_params is None else "the accelerator's memory is not known (the linter: --device-memory-gb)")
         if gpus_per_node == 1:
             return "full", f"one rank per node, where a per-node copy is the whole model; {what}"
         return "node", what

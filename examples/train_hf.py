@@ -262,7 +262,7 @@ def main(argv=None) -> dict:
         reloaded = AutoModelForCausalLM.from_pretrained(final, dtype=dtype)
         out["reloaded_eval_loss"] = heldout_loss(reloaded.to(device), eval_ds, args.micro_batch, device)
         summary = out["sdp4bit_summary"] or {}
-        sdp = (f"sdp4bit active ({summary.get('compression', math.nan):.2f}x fewer bytes sent in the last step)"
+        sdp = (f"sdp4bit active ({summary.get('compression') or math.nan:.2f}x fewer bytes sent in the last step)"
                if summary.get("active") else f"sdp4bit off ({summary.get('reason', 'no summary')})")
         print(f"[train_hf] {desc}; world {out['world']}; {sdp}; final loss "
               f"{out['losses'].get(max(out['losses']), math.nan):.4f}; held-out loss {out['eval_loss']:.4f} "
