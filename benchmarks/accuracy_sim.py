@@ -80,6 +80,10 @@ VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     "tlq_hs_g512_packed": {"grads": {"group_size": 512, **PACKED}, "weights": None},
     "tlq_hs_g512": {"grads": {"group_size": 512}, "weights": None},
     "tlq_hs_8bit_packed": {"grads": {"inter_bits": 8, **PACKED}, "weights": None},
+    # the whole method with the node sums sent at 8 bits between nodes, or rounded to nearest: does the second
+    # (4-bit) quantization of node sums at NxG (G > 1) cost loss that 4x1 does not pay?
+    "sdp4bit_inter8": {"grads": {"inter_bits": 8}, "weights": {}},
+    "sdp4bit_nearest": {"grads": {"rounding": "nearest"}, "weights": {}},
     # 4 bits at both levels, no transform: the paper's ULq (ZeRO++'s qgZ), here with our groups of 128
     # (qgZ's scales are coarser, about one per row), so an upper bound on qgZ's accuracy
     "ulq": {"grads": {"intra_bits": 4, "hadamard": False}, "weights": None},
