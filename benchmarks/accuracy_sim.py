@@ -335,9 +335,13 @@ def _median(vals):
 
 
 def report(runs: List[dict]) -> str:
-    """Markdown tables from the runs of one or more ``--out`` files (what the README shows)."""
+    """Markdown tables from the runs of one or more ``--out`` files (what the README shows).  Only finished runs
+    count (a run stopped by --deadline is named at the end); each run is paired with the ZeRO-3 run of the same
+    data seed and steps, and the paired gaps get their mean and standard error over the seeds."""
     lines = []
-    z = {r["data_seed"]: r for r in runs if r["variant"] == "zero3"}
+    stopped = [r for r in runs if r.get("status", "ok") != "ok"]
+    runs = [r for r in runs if r.get("status", "ok") == "ok"]
+    z = {(r["data_seed"], r["steps"]): r for r in runs if r["variant"] == "zero3"}
     zl = sorted(r["train_loss"] for r in z.values())
     zh = sorted(r["heldout_loss"] for r in z.values())
     if zl:
@@ -349,7 +353,7 @@ def report(runs: List[dict]) -> str:
     lines.append("| variant | topology | data seed | steps | train loss | vs ZeRO-3 (same seed) | held-out | vs ZeRO-3 |")
     lines.append("|---|---|---|---|---|---|---|---|")
     for r in sorted(runs, key=lambda r: (r["variant"] != "zero3", r["topology"], r["variant"], r["data_seed"])):
-        ref = z.get(r["data_seed"])
+        ref = z.get((r["data_seed"], r["steps"]))
         gap = f"{100 * (r['train_loss'] / ref['train_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
         hgap = f"{100 * (r['heldout_loss'] / ref['heldout_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
         topo = "any" if r["variant"] == "zero3" else r["topology"]
@@ -358,16 +362,19 @@ def report(runs: List[dict]) -> str:
     lines.append("")
     lines.append("Paired gap (train loss vs the ZeRO-3 run of the same data seed), per variant and topology:")
     lines.append("")
-    lines.append("| variant | topology | seeds | mean gap | min .. max |")
-    lines.append("|---|---|---|---|---|")
+    lines.append("| variant | topology | steps | seeds | mean gap | standard error | min .. max |")
+    lines.append("|---|---|---|---|---|---|---|")
     groups: Dict[tuple, List[float]] = {}
     for r in runs:
-        ref = z.get(r["data_seed"])
+        ref = z.get((r["data_seed"], r["steps"]))
         if r["variant"] != "zero3" and ref:
-            groups.setdefault((r["variant"], r["topology"]), []).append(100 * (r["train_loss"] / ref["train_loss"] - 1))
-    for (v, topo), gaps in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        lines.append(f"| {v} | {topo} | {len(gaps)} | {sum(gaps) / len(gaps):+.2f}% | {min(gaps):+.2f}% .. "
-                     f"{max(gaps):+.2f}% |")
+            groups.setdefault((r["variant"], r["topology"], r["steps"]), []).append(
+                100 * (r["train_loss"] / ref["train_loss"] - 1))
+    for (v, topo, steps), gaps in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        m = sum(gaps) / len(gaps)
+        se = (math.sqrt(sum((g - m) ** 2 for g in gaps) / (len(gaps) - 1) / len(gaps)) if len(gaps) > 1 else None)
+        lines.append(f"| {v} | {topo} | {steps} | {len(gaps)} | {m:+.2f}% | "
+                     + ("-" if se is None else f"{se:.2f}%") + f" | {min(gaps):+.2f}% .. {max(gaps):+.2f}% |")
     lines.append("")
     classes = sorted({c for r in runs for c in r["classes"].values()})
     lines.append("Per parameter class, median over tensors and probes (every 25 or 50 steps): relative error of the "
@@ -389,6 +396,10 @@ def report(runs: List[dict]) -> str:
                 else float("nan")
             cells.append(f"{ge:.3f} / {we:.4f} ({be:.4f}) / {dist:.3f}")
         lines.append(f"| {r['variant']} | {r['topology']} | {r['data_seed']} | " + " | ".join(cells) + " |")
+    if stopped:
+        lines += ["", "Stopped before their last step (not counted): " + "; ".join(
+            f"{r['variant']} {r['topology']} seed {r['data_seed']} ({r.get('steps_done')} of {r['steps']} steps)"
+            for r in stopped) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -555,6 +555,10 @@ def test_accuracy_sim_tracks_the_real_engine_and_stops_by_its_deadline(tmp_path)
     r["args"] = {"d_model": a.d_model, "layers": a.layers}
     (tmp_path / "st.json").write_text(json.dumps({"runs": [r]}))
     assert accuracy_sim.fill_distances(tmp_path / "st.json", cache) == 0
+    # the report pairs finished runs only and names the stopped one
+    text = accuracy_sim.report(list(runs.values()) + [r])
+    assert f"| sdp4bit | 2x1 | {steps} | 1 | " in text and "Stopped before their last step (not counted): qwd 2x1 " \
+        "seed 5 (1 of 4 steps)" in text and "| qwd |" not in text
     (tmp_path / "ok.json").write_text(json.dumps({"runs": [dict(r, status="ok")]}))   # the same run, finished
     assert accuracy_sim.fill_distances(tmp_path / "ok.json", cache) == 1
     dl_out = tmp_path / "dl.json"
