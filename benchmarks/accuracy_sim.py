@@ -335,6 +335,8 @@ def _median(vals):
 
 
 def report(runs: List[dict]) -> str:
+    from benchmarks.suite import mean_se
+
     """Markdown tables from the runs of one or more ``--out`` files (what the README shows).  Only finished runs
     count (a run stopped by --deadline is named at the end); each run is paired with the ZeRO-3 run of the same
     data seed and steps, and the paired gaps get their mean and standard error over the seeds."""
@@ -371,8 +373,7 @@ def report(runs: List[dict]) -> str:
             groups.setdefault((r["variant"], r["topology"], r["steps"]), []).append(
                 100 * (r["train_loss"] / ref["train_loss"] - 1))
     for (v, topo, steps), gaps in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
-        m = sum(gaps) / len(gaps)
-        se = (math.sqrt(sum((g - m) ** 2 for g in gaps) / (len(gaps) - 1) / len(gaps)) if len(gaps) > 1 else None)
+        m, se = mean_se(gaps)
         lines.append(f"| {v} | {topo} | {steps} | {len(gaps)} | {m:+.2f}% | "
                      + ("-" if se is None else f"{se:.2f}%") + f" | {min(gaps):+.2f}% .. {max(gaps):+.2f}% |")
     lines.append("")

@@ -17,6 +17,7 @@ compares configs inside one run).
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -162,14 +163,19 @@ def config_snapshot(cfg: dict, replica: Optional[str], parse_block) -> Dict[str,
     return out
 
 
-def apply_ds_set(cfg: dict, items: Sequence[str]) -> dict:
-    """examples/dsconfig.py's ``apply_ds_set`` (train_gpt.py's ``--ds-set KEY=VALUE``): the same code."""
+@functools.lru_cache(maxsize=None)
+def _dsconfig_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("_sdp4bit_examples_dsconfig", REPO / "examples" / "dsconfig.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.apply_ds_set(cfg, items)
+    return mod
+
+
+def apply_ds_set(cfg: dict, items: Sequence[str]) -> dict:
+    """examples/dsconfig.py's ``apply_ds_set`` (train_gpt.py's ``--ds-set KEY=VALUE``): the same code."""
+    return _dsconfig_module().apply_ds_set(cfg, items)
 
 
 def ds_sets_of(train_args: Sequence[str]) -> List[str]:
@@ -181,6 +187,14 @@ def ds_sets_of(train_args: Sequence[str]) -> List[str]:
         elif a.startswith("--ds-set="):
             out.append(a[len("--ds-set="):])
     return out
+
+
+def mean_se(xs: Sequence[float]) -> Tuple[float, Optional[float]]:
+    """Mean of ``xs`` and its standard error (sample standard deviation / sqrt(n)); None for one value."""
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, None
+    return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
 
 
 def config_differences(row_snapshot: Dict[str, object], today: Dict[str, object]) -> Dict[str, tuple]:

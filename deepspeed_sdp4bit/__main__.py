@@ -240,8 +240,7 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         try:
             gpn = resolve_gpus_per_node(cfg.topology.gpus_per_node, world)
         except ValueError as e:
-            here = " (here: --gpus-per-node)" if cfg.topology.gpus_per_node is None and gpus_per_node else ""
-            raise SDP4BitConfigError(f"{e}{here}") from None
+            raise SDP4BitConfigError(str(e)) from None
     src = ("sdp4bit.topology.gpus_per_node" if cfg.topology.gpus_per_node is not None
            else "gpus_per_node omitted: the launcher's ranks per host, --gpus-per-node")
     shape = TopologyShape(world // gpn, gpn)
