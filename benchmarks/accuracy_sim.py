@@ -455,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where every run leaves its final weights (ZeRO-3's: for the distance of later runs)")
     p.add_argument("--deadline", type=float, default=None,
                    help="seconds from the start: a run stops early (row status 'stopped', steps_done) when its "
-                        "next step and evaluation would end later; later runs of the invocation are skipped")
+                        "next step and evaluation would end later; a later run of the invocation is skipped when "
+                        "the previous run's pace says it would not finish by then")
     p.add_argument("--distances", nargs="*", metavar="RUNS_JSON",
                    help="only fill final_rel_dist_to_zero3 of these --out files' runs from --ref-cache's weights "
                         "(for runs made in parallel processes, where the ZeRO-3 run ended after them)")
@@ -499,15 +500,18 @@ def main(argv=None):
         for key, row in t["summary"].items():
             print(f"{key:28s} " + "  ".join(f"{c} {v['median']:.3f}/{v['max']:.3f}" for c, v in row.items()))
         return
+    pace = 0.0   # seconds per step of the previous run (with its evaluation): a run that cannot finish is skipped
     for seed in a.data_seeds:
         for topo in a.topologies:
             for v in a.variants:
                 if v == "zero3" and topo != a.topologies[0]:
                     continue   # exact ZeRO-3 does not depend on the topology: one run per seed
-                if a.deadline_at and time.time() > a.deadline_at:
-                    print(f"{v:24s} {topo} seed {seed}: skipped (--deadline reached)", flush=True)
+                if a.deadline_at and time.time() + pace * a.steps > a.deadline_at:
+                    print(f"{v:24s} {topo} seed {seed}: skipped (--deadline: {a.deadline_at - time.time():.0f} s "
+                          f"left, the previous run took {pace * a.steps:.0f} s)", flush=True)
                     continue
                 r = run(a, v, topo, seed, corpus)
+                pace = r["seconds"] / max(1, r["steps_done"])
                 cache = Path(a.ref_cache)
                 cache.mkdir(parents=True, exist_ok=True)
                 torch.save(r.pop("final_weights"), cache / weights_file(r, a))
