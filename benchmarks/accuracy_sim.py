@@ -84,6 +84,9 @@ VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     # (4-bit) quantization of node sums at NxG (G > 1) cost loss that 4x1 does not pay?
     "sdp4bit_inter8": {"grads": {"inter_bits": 8}, "weights": {}},
     "sdp4bit_nearest": {"grads": {"rounding": "nearest"}, "weights": {}},
+    # the Hadamard block as large as the group: one transform spreads a group's outliers over all of it, so the
+    # group's abs-max (and the noise it sets for every element) follows the group's RMS, not its loudest block
+    "sdp4bit_h128": {"grads": {"hadamard_size": 128}, "weights": {}},
     # 4 bits at both levels, no transform: the paper's ULq (ZeRO++'s qgZ), here with our groups of 128
     # (qgZ's scales are coarser, about one per row), so an upper bound on qgZ's accuracy
     "ulq": {"grads": {"intra_bits": 4, "hadamard": False}, "weights": None},
