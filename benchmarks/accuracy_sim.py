@@ -63,6 +63,9 @@ PACKED = {"align_params": False}   # the layout before issue 21: groups span par
 
 VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     "zero3": {"grads": None, "weights": None},
+    # ZeRO-3 with the gradient sum in fp32 (a rounding-sized perturbation): how far a trajectory drifts from
+    # ZeRO-3's by chaos alone, the floor for every paired gap
+    "zero3_fp32": {"grads": None, "weights": None, "fp32_reduce": True},
     "sdp4bit": {"grads": {}, "weights": {}},
     "sdp4bit_packed": {"grads": PACKED, "weights": {}},
     # qWD with groups restarting at every parameter's piece of the flat partition (simulated here only: the
@@ -142,8 +145,11 @@ def buckets_for(numels: List[int], bucket_size: int) -> List[List[int]]:
     return out
 
 
-def exact_reduce(grads_r: List[torch.Tensor], W: int) -> torch.Tensor:
-    """ZeRO-3: ``g.div_(W)`` in bf16, then a bf16 sum in rank order; returned as fp32."""
+def exact_reduce(grads_r: List[torch.Tensor], W: int, fp32: bool = False) -> torch.Tensor:
+    """ZeRO-3: ``g.div_(W)`` in bf16, then a bf16 sum in rank order; returned as fp32.  ``fp32``: the sum in
+    fp32 instead (the ``zero3_fp32`` variant: ZeRO-3 up to rounding, for the trajectories' own noise floor)."""
+    if fp32:
+        return sum(g.float() for g in grads_r) / W
     acc = grads_r[0] / W
     for g in grads_r[1:]:
         acc = acc + g / W
@@ -206,7 +212,8 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
         losses.append(sum(loss_r) / W)
         probe = a.probe_every and (step % a.probe_every == 0 or step == a.steps - 1)
         if gcfg is None:
-            full = [exact_reduce([grads_r[r][i] for r in range(W)], W) for i in range(len(params))]
+            full = [exact_reduce([grads_r[r][i] for r in range(W)], W, spec.get("fp32_reduce", False))
+                    for i in range(len(params))]
         else:
             full = [None] * len(params)
             for b, idx in enumerate(buckets):
