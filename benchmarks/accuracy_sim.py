@@ -93,6 +93,8 @@ VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     # 4 bits at both levels, no transform: the paper's ULq (ZeRO++'s qgZ), here with our groups of 128
     # (qgZ's scales are coarser, about one per row), so an upper bound on qgZ's accuracy
     "ulq": {"grads": {"intra_bits": 4, "hadamard": False}, "weights": None},
+    # ZeRO++-like: ULq gradients as above and the weights sent directly at 8 bits (qwZ; groups of 2048 here)
+    "zeropp_like": {"grads": {"intra_bits": 4, "hadamard": False}, "weights": {"mode": "direct", "bits": 8}},
 }
 
 
