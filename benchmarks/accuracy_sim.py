@@ -36,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -346,6 +347,108 @@ def _median(vals):
     return vals[len(vals) // 2] if vals else float("nan")
 
 
+PROBE_METRICS = ("grad_rel_err", "replica_rel_err", "bf16_rel_err")
+
+
+def probe_summary(r: dict) -> Dict[str, Dict[str, float]]:
+    """Per parameter class and probe metric, the median over the class's tensors and the run's probes (what
+    the report shows).  A run stored without its probes (``--compact``) carries this as ``probe_summary``."""
+    if "probe_summary" in r:
+        return r["probe_summary"]
+    out: Dict[str, Dict[str, float]] = {}
+    for c in sorted(set(r["classes"].values())):
+        names = [n for n, k in r["classes"].items() if k == c]
+        out[c] = {m: _median([p[m][n] for p in r["probes"] if m in p for n in names]) for m in PROBE_METRICS}
+    return out
+
+
+def compact(r: dict) -> dict:
+    """A run without its per-tensor probes (replaced by :func:`probe_summary`), losses to 5 decimals."""
+    r = dict(r)
+    r["probe_summary"] = probe_summary(r)
+    r.pop("probes", None)
+    r["losses"] = [round(x, 5) for x in r["losses"]]
+    return r
+
+
+def _seed_label(r: dict) -> str:
+    """The data seed, with the stochastic-rounding seed where it is not the default."""
+    sdp = r.get("sdp_seed", 1234)
+    return str(r["data_seed"]) + ("" if sdp == 1234 else f" (rounding seed {sdp})")
+
+
+def _smooth(xs: List[float], k: int) -> List[float]:
+    """Trailing mean over up to ``k`` values."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x - (xs[i - k] if i >= k else 0.0)
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def gap_curves(runs: List[dict], window: int = 50, min_runs: int = 3) -> dict:
+    """What ``--plot`` draws, per topology: the ZeRO-3 data-seed band (each seed's smoothed loss against the
+    seeds' mean, in %, min and max per step) and, per variant with at least ``min_runs`` finished runs paired
+    with ZeRO-3, the mean over runs of the smoothed paired gap in % (with its run count).
+
+    Returns ``{"band": (lo, hi) | None, "topologies": {topo: {variant: (curve, n)}}}``.
+    """
+    runs = [r for r in runs if r.get("status", "ok") == "ok"]
+    z = {(r["data_seed"], r["steps"]): _smooth(r["losses"], window) for r in runs if r["variant"] == "zero3"}
+    band = None
+    if len(z) > 1:
+        curves = list(z.values())
+        n = min(len(c) for c in curves)
+        mean = [sum(c[i] for c in curves) / len(curves) for i in range(n)]
+        rel = [[100 * (c[i] / mean[i] - 1) for i in range(n)] for c in curves]
+        band = ([min(col) for col in zip(*rel)], [max(col) for col in zip(*rel)])
+    per: Dict[tuple, List[List[float]]] = {}
+    for r in runs:
+        ref = z.get((r["data_seed"], r["steps"]))
+        if r["variant"] == "zero3" or ref is None:
+            continue
+        mine = _smooth(r["losses"], window)
+        per.setdefault((r["topology"], r["variant"]), []).append(
+            [100 * (a / b - 1) for a, b in zip(mine, ref)])
+    topos: Dict[str, dict] = {}
+    for (topo, v), cs in sorted(per.items()):
+        if len(cs) < min_runs:
+            continue
+        n = min(len(c) for c in cs)
+        topos.setdefault(topo, {})[v] = ([sum(c[i] for c in cs) / len(cs) for i in range(n)], len(cs))
+    return {"band": band, "topologies": topos}
+
+
+def plot_gaps(runs: List[dict], path: str, title: str, window: int = 50, min_runs: int = 3) -> None:
+    """One panel per topology: the mean paired gap to ZeRO-3 in % over steps, one line per variant, over the
+    ZeRO-3 data-seed band (grey)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    g = gap_curves(runs, window, min_runs)
+    topos = sorted(g["topologies"])
+    if not topos:
+        raise ValueError(f"nothing to plot: no variant has {min_runs} finished runs paired with ZeRO-3")
+    fig, axes = plt.subplots(1, len(topos), figsize=(6 * len(topos), 4.2), sharey=True, squeeze=False)
+    for ax, topo in zip(axes[0], topos):
+        if g["band"]:
+            lo, hi = g["band"]
+            ax.fill_between(range(len(lo)), lo, hi, color="0.85", label="ZeRO-3 data seeds (spread)")
+        ax.axhline(0, color="0.4", lw=0.8)
+        ax.axhline(0.3, color="0.4", lw=0.8, ls=":", label="goal +0.3%")
+        for v, (curve, n) in sorted(g["topologies"][topo].items()):
+            ax.plot(range(len(curve)), curve, lw=1.4, label=f"{v} ({n} runs)")
+        ax.set_title(f"{topo}")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    axes[0][0].set_ylabel(f"loss vs ZeRO-3 of the same data seed, % ({window}-step mean)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def report(runs: List[dict]) -> str:
     from benchmarks.suite import mean_se
 
@@ -371,13 +474,13 @@ def report(runs: List[dict]) -> str:
         gap = f"{100 * (r['train_loss'] / ref['train_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
         hgap = f"{100 * (r['heldout_loss'] / ref['heldout_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
         topo = "any" if r["variant"] == "zero3" else r["topology"]
-        lines.append(f"| {r['variant']} | {topo} | {r['data_seed']} | {r['steps']} | {r['train_loss']:.4f} | {gap} | "
+        lines.append(f"| {r['variant']} | {topo} | {_seed_label(r)} | {r['steps']} | {r['train_loss']:.4f} | {gap} | "
                      f"{r['heldout_loss']:.4f} | {hgap} |")
     lines.append("")
     lines.append("Paired gap (train loss vs the ZeRO-3 run of the same data seed), per variant and topology:")
     lines.append("")
-    lines.append("| variant | topology | steps | seeds | mean gap | standard error | min .. max |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append("| variant | topology | steps | runs | mean gap | standard error | median | min .. max |")
+    lines.append("|---|---|---|---|---|---|---|---|")
     groups: Dict[tuple, List[float]] = {}
     for r in runs:
         ref = z.get((r["data_seed"], r["steps"]))
@@ -387,7 +490,8 @@ def report(runs: List[dict]) -> str:
     for (v, topo, steps), gaps in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         m, se = mean_se(gaps)
         lines.append(f"| {v} | {topo} | {steps} | {len(gaps)} | {m:+.2f}% | "
-                     + ("-" if se is None else f"{se:.2f}%") + f" | {min(gaps):+.2f}% .. {max(gaps):+.2f}% |")
+                     + ("-" if se is None else f"{se:.2f}%") + f" | {statistics.median(gaps):+.2f}% | "
+                     f"{min(gaps):+.2f}% .. {max(gaps):+.2f}% |")
     lines.append("")
     classes = sorted({c for r in runs for c in r["classes"].values()})
     lines.append("Per parameter class, median over tensors and probes (every 25 or 50 steps): relative error of the "
@@ -402,13 +506,11 @@ def report(runs: List[dict]) -> str:
         cells = []
         for c in classes:
             names = [n for n, k in r["classes"].items() if k == c]
-            ge = _median([p["grad_rel_err"][n] for p in r["probes"] for n in names if "grad_rel_err" in p])
-            we = _median([p["replica_rel_err"][n] for p in r["probes"] for n in names])
-            be = _median([p["bf16_rel_err"][n] for p in r["probes"] for n in names])
-            dist = _median([r["final_rel_dist_to_zero3"][n] for n in names]) if "final_rel_dist_to_zero3" in r \
-                else float("nan")
-            cells.append(f"{ge:.3f} / {we:.4f} ({be:.4f}) / {dist:.3f}")
-        lines.append(f"| {r['variant']} | {r['topology']} | {r['data_seed']} | " + " | ".join(cells) + " |")
+            ge, we, be = (probe_summary(r)[c][m] for m in PROBE_METRICS)
+            dist = (f"{_median([r['final_rel_dist_to_zero3'][n] for n in names]):.3f}"
+                    if "final_rel_dist_to_zero3" in r else "-")
+            cells.append(f"{ge:.3f} / {we:.4f} ({be:.4f}) / {dist}")
+        lines.append(f"| {r['variant']} | {r['topology']} | {_seed_label(r)} | " + " | ".join(cells) + " |")
     if stopped:
         lines += ["", "Stopped before their last step (not counted): " + "; ".join(
             f"{r['variant']} {r['topology']} seed {r['data_seed']} ({r.get('steps_done')} of {r['steps']} steps)"
@@ -472,6 +574,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distances", nargs="*", metavar="RUNS_JSON",
                    help="only fill final_rel_dist_to_zero3 of these --out files' runs from --ref-cache's weights "
                         "(for runs made in parallel processes, where the ZeRO-3 run ended after them)")
+    p.add_argument("--compact", nargs="*", metavar="RUNS_JSON",
+                   help="write these --out files' runs, without per-tensor probes (their per-class summary kept), "
+                        "to --out (for committing many large runs)")
+    p.add_argument("--plot", metavar="PNG", help="with --report: the paired gap to ZeRO-3 over steps (gap_curves)")
+    p.add_argument("--plot-title", default=None, help="with --plot: the figure's title")
     p.add_argument("--report", nargs="*", metavar="RUNS_JSON",
                    help="only print the markdown tables of these --out files (written to --out as .md)")
     return p
@@ -484,11 +591,18 @@ def main(argv=None):
         for f in a.distances:
             print(f"{f}: distances filled for {fill_distances(Path(f), Path(a.ref_cache))} run(s)")
         return
+    if a.compact:
+        runs = [compact(r) for f in a.compact for r in json.loads(Path(f).read_text()).get("runs", [])]
+        Path(a.out).write_text(json.dumps({"runs": runs}))
+        print(f"{a.out}: {len(runs)} run(s)")
+        return
     if a.report:
         docs = [json.loads(Path(f).read_text()) for f in a.report]
         runs = [r for d in docs for r in d.get("runs", [])]
         text = "\n".join([report(runs)] * bool(runs) + [report_table(d) for d in docs if "summary" in d])
         Path(a.out).write_text(text)
+        if a.plot:
+            plot_gaps(runs, a.plot, a.plot_title or ", ".join(a.report))
         print(text)
         return
     torch.set_num_threads(a.threads)

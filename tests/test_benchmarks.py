@@ -575,3 +575,110 @@ def test_accuracy_sim_tracks_the_real_engine_and_stops_by_its_deadline(tmp_path)
         assert twice[0] == twice[1] and len(twice[0]) == 2
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def _fake_sim_run(variant, topo, seed, losses, sdp_seed=1234):
+    return {"variant": variant, "topology": topo, "data_seed": seed, "sdp_seed": sdp_seed, "steps": len(losses),
+            "steps_done": len(losses), "status": "ok", "train_loss": sum(losses[-2:]) / 2,
+            "heldout_loss": losses[-1], "losses": list(losses),
+            "probes": [{"step": 0, "grad_rel_err": {"w": 0.25, "b": 0.5}, "replica_rel_err": {"w": 0.01, "b": 0.02},
+                        "bf16_rel_err": {"w": 0.001, "b": 0.002}},
+                       {"step": 1, "replica_rel_err": {"w": 0.03, "b": 0.04}, "bf16_rel_err": {"w": 0.003, "b": 0.004}}],
+            "classes": {"w": "matrix", "b": "bias"}, "numels": {"w": 4, "b": 2}}
+
+
+def test_accuracy_sim_gap_curves_compact_runs_and_median():
+    """The accuracy-sim report's pieces for many GPU runs: the paired gap curves of --plot (mean over runs of the
+    smoothed gap, the ZeRO-3 data-seed band, variants with too few runs left out), --compact (probes replaced by
+    their per-class summary: the report is unchanged), the median column and the rounding-seed label."""
+    from benchmarks import accuracy_sim as S
+
+    z1, z2 = [4.0, 3.0, 2.0, 2.0], [4.0, 3.0, 2.5, 2.5]
+    runs = [_fake_sim_run("zero3", "2x2", 1, z1), _fake_sim_run("zero3", "2x2", 2, z2)]
+    runs += [_fake_sim_run("sdp4bit", "2x2", 1, [x * 1.02 for x in z1]),
+             _fake_sim_run("sdp4bit", "2x2", 2, [x * 1.04 for x in z2]),
+             _fake_sim_run("sdp4bit", "2x2", 2, [x * 0.99 for x in z2], sdp_seed=99),
+             _fake_sim_run("qwd", "2x2", 1, [x * 1.5 for x in z1])]   # one run: not drawn
+    g = S.gap_curves(runs, window=2, min_runs=3)
+    assert set(g["topologies"]) == {"2x2"} and set(g["topologies"]["2x2"]) == {"sdp4bit"}
+    curve, n = g["topologies"]["2x2"]["sdp4bit"]
+    assert n == 3 and curve == pytest.approx([(2 + 4 - 1) / 3] * 4)   # a constant ratio is its gap at every step
+    lo, hi = g["band"]
+    # step 2 (window 2): seed 1 averages 2.5, seed 2 2.75; their mean 2.625
+    assert lo[2] == pytest.approx(100 * (2.5 / 2.625 - 1)) and hi[2] == pytest.approx(100 * (2.75 / 2.625 - 1))
+    assert lo[0] == hi[0] == pytest.approx(0)
+    text = S.report(runs)
+    assert "| sdp4bit | 2x2 | 4 | 3 | +1.67% | " in text and "| +2.00% | -1.00% .. +4.00% |" in text   # median 2
+    assert "| 2 (rounding seed 99) |" in text
+    # --compact keeps what the report shows: the per-class medians over tensors and probes
+    small = [S.compact(r) for r in runs]
+    assert all("probes" not in r for r in small) and S.report(small) == text
+    summary = S.probe_summary(runs[0])
+    assert summary["matrix"] == {"grad_rel_err": 0.25, "replica_rel_err": 0.03, "bf16_rel_err": 0.003}
+    assert summary["bias"]["grad_rel_err"] == 0.5   # the probe without gradients does not count
+
+
+def test_accuracy_sim_floor_variant_and_deadline_pace(tmp_path, monkeypatch, capsys):
+    """zero3_fp32 sums the gradients in fp32 (ZeRO-3 sums in bf16): the two differ by rounding only; and under
+    --deadline a run that the previous run's pace says cannot finish is skipped instead of started."""
+    import torch
+
+    from benchmarks import accuracy_sim as S
+
+    g = [torch.tensor([1.0, 1e-3, 3.0], dtype=torch.bfloat16) + i * torch.tensor([1e-2, 1.0, 1.0 / 3],
+                                                                               dtype=torch.bfloat16) for i in range(4)]
+    exact = sum(x.float() for x in g) / 4
+    assert torch.equal(S.exact_reduce(g, 4, fp32=True), exact)
+    bf = S.exact_reduce(g, 4)
+    assert not torch.equal(bf, exact) and torch.allclose(bf, exact, rtol=1e-2)
+    assert S.VARIANTS["zero3_fp32"]["grads"] is None and S.VARIANTS["zero3_fp32"]["fp32_reduce"]
+
+    calls = []
+
+    def fake_run(a, variant, topo, seed, corpus):
+        calls.append(variant)
+        r = _fake_sim_run(variant, topo, seed, [3.0] * a.steps)
+        r.pop("probes")
+        return dict(r, probes=[], seconds=3600.0, final_weights={"w": torch.zeros(4), "b": torch.zeros(2)})
+
+    monkeypatch.setattr(S, "run", fake_run)
+    monkeypatch.setattr(S, "load_corpus", lambda _: (None, "fake corpus"))
+    out = tmp_path / "pace.json"
+    S.main(["--variants", "qwd", "sdp4bit", "--steps", "4", "--deadline", "600", "--ref-cache", str(tmp_path / "c"),
+            "--out", str(out)])
+    assert calls == ["qwd"]   # the first run took an hour: the second would not end within the 10 minutes
+    assert [r["variant"] for r in json.loads(out.read_text())["runs"]] == ["qwd"]
+    assert "sdp4bit                  2x2 seed 1234: skipped (--deadline: " in capsys.readouterr().out
+
+
+def test_accuracy_sim_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (pip install -e .[plot])")
+    from benchmarks import accuracy_sim as S
+
+    z = [4.0, 3.0, 2.0]
+    runs = [_fake_sim_run("zero3", "4x1", s, z) for s in (1, 2, 3)]
+    runs += [_fake_sim_run("sdp4bit", "4x1", s, [x * 1.01 for x in z]) for s in (1, 2, 3)]
+    S.plot_gaps(runs, str(tmp_path / "gap.png"), "test", window=2)
+    assert (tmp_path / "gap.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="no variant has 3 finished runs"):
+        S.plot_gaps(runs[:4], str(tmp_path / "none.png"), "test", window=2)
+
+
+def test_goals_table_reads_the_deterministic_simulation(tmp_path):
+    """Issue 21's goal row of the GPU accuracy-sim files: the shipped config's paired gaps per topology, the
+    default rounding seed only, the same verdict rule as the engine's rows (mean +- 2 SE against +0.3%)."""
+    z = [4.0, 3.0, 2.0]
+    runs = [dict(_fake_sim_run("zero3", "2x2", s, z), args={"d_model": 8, "layers": 1}) for s in (1, 2, 3)]
+    for s, f in ((1, 1.02), (2, 1.03), (3, 1.025)):
+        runs.append(dict(_fake_sim_run("sdp4bit", "4x1", s, [x * f for x in z]), args={"d_model": 8, "layers": 1}))
+    runs.append(dict(_fake_sim_run("sdp4bit", "4x1", 1, [x * 0.5 for x in z], sdp_seed=7),
+                     args={"d_model": 8, "layers": 1}))   # another rounding seed: not counted
+    runs.append(dict(_fake_sim_run("sdp4bit_inter8", "4x1", 1, z), args={"d_model": 8, "layers": 1}))
+    (tmp_path / "gpu_x.json").write_text(json.dumps({"runs": runs + [dict(runs[-1], status="stopped",
+                                                                          variant="sdp4bit", data_seed=9)]}))
+    loaded = report.load_sim_runs(tmp_path)
+    assert len(loaded) == len(runs) and all(r["file"] == "gpu_x.json" for r in loaded)
+    line = next(x for x in report.goals_table([], [], None, loaded).splitlines() if "simulation" in x)
+    assert "d8 L1 4x1 3 steps (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds): not met" in line
+    assert line.endswith("| **not met** |")
+    assert not any("simulation" in x for x in report.goals_table([], [], None).splitlines())

@@ -1,0 +1,26 @@
+#!/bin/bash
+# The device call of the GPU accuracy-sim runs (gpu_86m_500.json): installs the wheels of ../shared/device.md,
+# builds the CUDA ops, runs one accuracy-sim process per JOB on the one GPU (8 at a time fill an H200), then
+# packs the run files and logs into $OUT/runs.tgz.  Run from the repository root with .whl/ carried.
+# usage: bash benchmarks/results/accuracy_sim/gpu_call.sh COMMIT BUDGET_S "JOB1" "JOB2" ...   (each JOB: extra accuracy-sim args; one process each)
+commit=$1; budget=$2; shift 2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=$commit
+find /tmp/torch_extensions -name lock -delete 2>/dev/null
+mkdir -p $OUT/logs
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > $OUT/logs/gpu.txt
+python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" > $OUT/logs/build.txt 2>&1; tail -2 $OUT/logs/build.txt
+echo "built at $SECONDS s"
+(while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> $OUT/logs/util.txt; sleep 10; done) & mon=$!
+COMMON="--device cuda --backend auto --threads 2 --deterministic --d-model 768 --layers 12 --heads 12 --seq 1024 --micro-batch 8 --lr 6e-4 --steps 500 --bucket-size 50000000 --eval-batches 8 --probe-every 50 --ref-cache /tmp/sim_ref --verbose"
+i=0; pids=()
+for job in "$@"; do
+  i=$((i+1))
+  python3 -m benchmarks accuracy-sim $COMMON $job --out $OUT/sim_$i.json --deadline $((budget-SECONDS)) > $OUT/logs/job_$i.txt 2>&1 &
+  pids+=($!)
+done
+wait "${pids[@]}"
+kill $mon
+python3 -m benchmarks accuracy-sim --distances $OUT/sim_*.json --ref-cache /tmp/sim_ref --out /dev/null
+for f in $OUT/logs/job_*.txt; do echo "== $f"; grep -v "^  " $f | tail -5; grep "step" $f | tail -2; done
+cd $OUT && tar czf runs.tgz logs sim_*.json && rm -rf logs sim_*.json
