@@ -91,6 +91,8 @@ VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     # the Hadamard block as large as the group: one transform spreads a group's outliers over all of it, so the
     # group's abs-max (and the noise it sets for every element) follows the group's RMS, not its loudest block
     "sdp4bit_h128": {"grads": {"hadamard_size": 128}, "weights": {}},
+    # the inter-node level's rounding error carried into the next step (gradients.error_feedback)
+    "sdp4bit_ef": {"grads": {"error_feedback": True}, "weights": {}},
     # 4 bits at both levels, no transform: the paper's ULq (ZeRO++'s qgZ), here with our groups of 128
     # (qgZ's scales are coarser, about one per row), so an upper bound on qgZ's accuracy
     "ulq": {"grads": {"intra_bits": 4, "hadamard": False}, "weights": None},
@@ -190,6 +192,7 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
     samplers = [WindowSampler(train, a.seq, a.micro_batch, data_seed, r, W) for r in range(W)]
     evals = [WindowSampler(held, a.seq, a.micro_batch, data_seed, r, W) for r in range(W)]
     buckets = buckets_for(part.numels, a.bucket_size)
+    residuals = [{} for _ in range(W)] if gcfg is not None and gcfg.error_feedback else None   # per rank
     losses, probes = [], []
     t0 = time.time()
     stop_at = a.deadline_at if getattr(a, "deadline_at", None) else None
@@ -222,7 +225,7 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
             for b, idx in enumerate(buckets):
                 outs = simulate_reduce_scatter([[grads_r[r][i] for i in idx] for r in range(W)], shape, gcfg,
                                                a.sdp_seed, step=step, bucket_id=b, op="mean",
-                                               backend=a.backend)
+                                               backend=a.backend, residuals=residuals)
                 for k, i in enumerate(idx):
                     full[i] = torch.cat([outs[d][k] for d in range(W)]).float().view(params[i].shape)
         rec = {}

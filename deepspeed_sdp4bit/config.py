@@ -132,6 +132,13 @@ class GradientsConfig(_Strict):
                                             "bias never shares a large weight gradient's scale); `false` = "
                                             "DeepSpeed's packed layout, for ablations"))
 
+    # Issue 21: the 4-bit inter-node level's rounding error carried into the next step's send (as qWD carries the
+    # weights'), so the sum of what is sent over the steps follows the sum of the true gradients.
+    error_feedback: bool = Field(False,
+                                 description=("carry the inter-node level's quantization error into the next step's "
+                                              "send (a bf16 residual of that level's input per rank: 2 bytes per "
+                                              "parameter / gpus_per_node; not in checkpoints)"))
+
     @field_validator("hadamard_size")
     @classmethod
     def _pow2(cls, v):
@@ -144,6 +151,9 @@ class GradientsConfig(_Strict):
         if self.group_size % 32:
             raise ValueError(f"group_size must be a multiple of 32 (kernel tiles, 4-bit packing), got "
                              f"{self.group_size}")
+        if self.error_feedback and self.inter_bits == 16:
+            raise ValueError("error_feedback carries the inter-node level's quantization error, but inter_bits is "
+                             "16 (unquantized): set inter_bits to 4 or 8, or error_feedback to false")
         if self.hadamard and self.group_size % self.hadamard_size:
             raise ValueError(f"group_size ({self.group_size}) must be a multiple of hadamard_size "
                              f"({self.hadamard_size}): scales are computed over whole transformed blocks")

@@ -313,6 +313,15 @@ def _check_pipeline_and_steps(topo, rank, W, shape):
             assert torch.equal(out, GradientReducer(topo, GradientsConfig(intra_bits=16, inter_bits=16), seed=SEED)
                                .reduce_scatter_flat(xs[rank], step=7)), "chunking changed a 16-bit reduce"
 
+    # error feedback: the collective's residuals evolve as the simulator's, step after step
+    cfg_ef = GradientsConfig(rounding="stochastic", pipeline_chunks=2, error_feedback=True)
+    red_ef, res = GradientReducer(topo, cfg_ef, seed=SEED), [{} for _ in range(W)]
+    for t in (3, 4):
+        out = red_ef.reduce_scatter_flat(xs[rank], step=t)
+        assert torch.equal(out, simulate_reduce_scatter_flat(xs, shape, cfg_ef, SEED, step=t, residuals=res)[rank])
+    assert sorted(red_ef.residuals) == sorted(res[rank]) and (not res[rank]) == (shape.num_nodes == 1)
+    assert all(torch.equal(red_ef.residuals[k], res[rank][k]) for k in res[rank])
+
     red = GradientReducer(topo, GradientsConfig(rounding="stochastic"), seed=SEED)
     a = red.reduce_scatter_flat(xs[rank], step=5)
     b = red.reduce_scatter_flat(xs[rank], step=5)
@@ -492,3 +501,54 @@ def test_stats_dataclass():
         st.add("", 1)
     st.reset()
     assert st.as_dict()["total_bytes"] == 0 and st.calls == 0
+
+
+@pytest.mark.parametrize("nodes,gpus,intra_bits", [(2, 2, 8), (4, 1, 8), (2, 2, 16)])
+def test_error_feedback_carries_the_inter_level_rounding_error(nodes, gpus, intra_bits):
+    """gradients.error_feedback: fed the same gradients T times, the sum of what arrives follows T times the exact
+    reduce to within about one step's error (without it the stochastic errors add up, growing as sqrt(T)); the
+    residuals are bf16, one per (bucket, chunk, size) on the ranks of the 4-bit level; a non-finite input leaves
+    finite residuals; and it needs a quantized inter level."""
+    shape = TopologyShape(nodes, gpus)
+    W, S, T = shape.world_size, 1024, 24
+    inputs = _normal_flats(("ef", nodes, gpus), S, W)
+    exact = [sum(x.view(W, S)[r] for x in inputs) / W for r in range(W)]
+    errs = {}
+    for ef in (False, True):
+        cfg = GradientsConfig(intra_bits=intra_bits, inter_bits=4, error_feedback=ef, pipeline_chunks=2)
+        res = [{} for _ in range(W)] if ef else None
+        total = [torch.zeros(S) for _ in range(W)]
+        for t in range(T):
+            outs = simulate_reduce_scatter_flat(inputs, shape, cfg, SEED, step=t, bucket_id=3, residuals=res)
+            for r in range(W):
+                total[r] += outs[r].float()
+        errs[ef] = max(float((total[r] - T * exact[r]).norm() / exact[r].norm()) for r in range(W))
+        if ef:
+            assert all(set(k[:2] for k in d) == {(3, 0), (3, 1)} and all(v.dtype == torch.bfloat16 for v in d.values())
+                       for d in res)
+            one_step = max(float((outs[r].float() - exact[r]).norm() / exact[r].norm()) for r in range(W))
+    assert errs[True] < 2 * one_step and errs[True] < errs[False] / 3, errs
+    # an overflowing step: the residuals stay finite and the next finite step is finite again
+    cfg = GradientsConfig(inter_bits=4, error_feedback=True)
+    res = [{} for _ in range(W)]
+    bad = [x.clone() for x in inputs]
+    bad[0][5] = float("inf")
+    simulate_reduce_scatter_flat(bad, shape, cfg, SEED, step=0, residuals=res)
+    assert all(torch.isfinite(v.float()).all() for d in res for v in d.values())
+    assert all(torch.isfinite(o).all() for o in simulate_reduce_scatter_flat(inputs, shape, cfg, SEED, step=1,
+                                                                             residuals=res))
+    with pytest.raises(ValueError, match="needs residuals: one dict per rank"):
+        simulate_reduce_scatter_flat(inputs, shape, cfg, SEED)
+    with pytest.raises(ValueError, match="error_feedback carries the inter-node level's quantization error, but "
+                                         "inter_bits is 16"):
+        GradientsConfig(inter_bits=16, error_feedback=True)
+
+
+def test_error_feedback_does_nothing_on_one_node():
+    """On one node there is no inter level: error feedback keeps no residual and the result is the plain one."""
+    shape = TopologyShape(1, 4)
+    inputs = _normal_flats("ef1", 256, 4)
+    res = [{} for _ in range(4)]
+    a = simulate_reduce_scatter_flat(inputs, shape, GradientsConfig(error_feedback=True), SEED, residuals=res)
+    b = simulate_reduce_scatter_flat(inputs, shape, GradientsConfig(), SEED)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(not d for d in res)

@@ -128,6 +128,7 @@ class ReducePlan:
     hadamard: Optional[int]
     rounding: str
     comm_dtype: torch.dtype
+    error_feedback: bool = False
 
     @property
     def world(self) -> int:
@@ -168,7 +169,7 @@ def make_plan(segment: int, shape: TopologyShape, cfg: GradientsConfig,
     return ReducePlan(shape=shape, segment=segment, padded=padded, unit=unit, chunks=chunks,
                       levels=tuple(levels), group_size=cfg.group_size,
                       hadamard=cfg.hadamard_size if (cfg.hadamard and any_q) else None,
-                      rounding=cfg.rounding, comm_dtype=dtype)
+                      rounding=cfg.rounding, comm_dtype=dtype, error_feedback=cfg.error_feedback)
 
 
 def _level_bytes_per_value(level: _Level, group_size: int, comm_dtype: torch.dtype) -> float:
@@ -313,11 +314,37 @@ def _stage_input(plan: ReducePlan, flat: torch.Tensor, pool: BufferPool) -> torc
     return stage
 
 
-def _first_send(plan: ReducePlan, be, x: torch.Tensor, L: int, send: Msg, key) -> Msg:
+def _carried(plan: ReducePlan, level: _Level) -> bool:
+    """Whether ``level`` carries its quantization error into the next step (error feedback: the inter level)."""
+    return plan.error_feedback and level.name == "inter" and level.quantized
+
+
+def _quantize_carrying(plan: ReducePlan, be, y: torch.Tensor, level: _Level, send: Msg, key,
+                       residual: torch.Tensor) -> Msg:
+    """Error feedback: send ``q(y + residual)`` and keep ``residual = y + residual - dequant(sent)``.
+
+    ``y`` [n] fp32 is already in the transformed domain (the Hadamard of the level input, or the sum of
+    transformed chunks), so the quantization runs without a transform and the residual lives in that domain; a
+    non-finite value (an overflowing fp16 step, skipped by DeepSpeed) leaves a zero residual, not a poisoned one.
+    """
+    y = y + residual.float()
+    be.hadamard_quantize(y, level.bits, plan.group_size, None, plan.rounding, key, 0, swizzle=None,
+                         out=send[0], out_scales=send[1])
+    sent = be.dequant_sum_inverse_hadamard(send[0].view(1, -1), send[1].view(1, -1), level.bits, plan.group_size,
+                                           None, out_dtype=torch.float32, post_scale=1.0)
+    residual.copy_(torch.nan_to_num(y - sent, nan=0.0, posinf=0.0, neginf=0.0))
+    return send
+
+
+def _first_send(plan: ReducePlan, be, x: torch.Tensor, L: int, send: Msg, key,
+                residual: Optional[torch.Tensor] = None) -> Msg:
     """Level-1 message from the chunk input ``x`` [W * L] (destination order) into ``send`` buffers."""
     lvl = plan.levels[0]
     N, g = plan.shape.num_nodes, plan.shape.gpus_per_node
     swizzle = (N, g) if (lvl.name == "intra" and N > 1) else None
+    if residual is not None:   # the one level is the inter level (one GPU per node): no swizzle
+        y = R.hadamard_transform(x.float(), plan.hadamard) if plan.hadamard else x.float()
+        return _quantize_carrying(plan, be, y, lvl, send, key, residual)
     if lvl.quantized:
         be.hadamard_quantize(x, lvl.bits, plan.group_size, plan.hadamard, plan.rounding, key, 0,
                              swizzle=swizzle, out=send[0], out_scales=send[1])
@@ -328,10 +355,18 @@ def _first_send(plan: ReducePlan, be, x: torch.Tensor, L: int, send: Msg, key) -
     return send
 
 
-def _mid_send(plan: ReducePlan, be, recv: Msg, send: Msg, key) -> Msg:
+def _mid_send(plan: ReducePlan, be, recv: Msg, send: Msg, key, residual: Optional[torch.Tensor] = None) -> Msg:
     """Level-2 (inter) message from what the intra level received (two-level reduces only)."""
     l1, l2 = plan.levels
     g = l1.peers
+    if residual is not None:   # the node sum, in the transformed domain, then the carried quantization
+        if l1.quantized:
+            acc = be.dequant_sum_inverse_hadamard(recv[0].view(g, -1), recv[1].view(g, -1), l1.bits,
+                                                  plan.group_size, None, out_dtype=torch.float32, post_scale=1.0)
+        else:
+            acc = _raw_sum(recv[0], g)
+            acc = R.hadamard_transform(acc, plan.hadamard) if plan.hadamard else acc
+        return _quantize_carrying(plan, be, acc, l2, send, key, residual)
     if l1.quantized:
         pay, sc = recv[0].view(g, -1), recv[1].view(g, -1)
         if l2.quantized:
@@ -362,6 +397,20 @@ def _finish(plan: ReducePlan, be, recv: Msg, out: torch.Tensor, post_scale: floa
         acc = _raw_sum(recv[0], lvl.peers)
         # same rounding as the fused op: one fp32 multiply by fp32(post_scale), then the cast
         out.copy_(acc * torch.tensor(post_scale, dtype=torch.float32, device=acc.device))
+
+
+def _residual(store: Optional[Dict[tuple, torch.Tensor]], plan: ReducePlan, level: _Level, bucket_id: int,
+              chunk: int, n: int, device) -> Optional[torch.Tensor]:
+    """The error-feedback residual [n] (bf16, zeros at first) of ``level``'s send for (bucket, chunk), or None
+    when the level carries nothing.  Keyed by the bucket's index in the step and its size: DeepSpeed fills the
+    same buckets in the same order every step of a model that does not change."""
+    if store is None or not _carried(plan, level):
+        return None
+    key = (bucket_id, chunk, n)
+    r = store.get(key)
+    if r is None or r.device != torch.device(device):
+        r = store[key] = torch.zeros(n, dtype=torch.bfloat16, device=device)
+    return r
 
 
 def _post_scale(op: str, world: int) -> float:
@@ -418,6 +467,8 @@ class GradientReducer:
         self._backends: Dict[torch.device, ops.Backend] = {}
         self._pool = BufferPool()
         self.stats = CommStats()
+        # error feedback (cfg.error_feedback): the inter level's residual per (bucket, chunk, size)
+        self.residuals: Optional[Dict[tuple, torch.Tensor]] = {} if self.cfg.error_feedback else None
 
     # -- helpers --
     def _backend(self, device: torch.device) -> ops.Backend:
@@ -533,7 +584,8 @@ class GradientReducer:
             l1 = plan.levels[0]
             send1 = _msg_buffers(self._pool, "send1", l1, plan, W * plan.padded, W * a, W * L, flat.device)
             msg1 = _first_send(plan, be, x_all[W * a:W * (a + L)], L, send1,
-                               _key(plan, self.seed, step, bucket_id, l1, rank, c))
+                               _key(plan, self.seed, step, bucket_id, l1, rank, c),
+                               _residual(self.residuals, plan, l1, bucket_id, c, W * L, flat.device))
             recv1 = _msg_buffers(self._pool, "recv1", l1, plan, W * plan.padded, W * a, W * L, flat.device)
             self._all_to_all(l1, msg1, recv1, async_op=False)
             if not two:
@@ -541,7 +593,8 @@ class GradientReducer:
                 continue
             l2 = plan.levels[1]
             send2 = _msg_buffers(self._pool, "send2", l2, plan, N * plan.padded, N * a, N * L, flat.device)
-            msg2 = _mid_send(plan, be, recv1, send2, _key(plan, self.seed, step, bucket_id, l2, rank, c))
+            msg2 = _mid_send(plan, be, recv1, send2, _key(plan, self.seed, step, bucket_id, l2, rank, c),
+                             _residual(self.residuals, plan, l2, bucket_id, c, N * L, flat.device))
             recv2 = _msg_buffers(self._pool, "recv2", l2, plan, N * plan.padded, N * a, N * L, flat.device)
             works = self._all_to_all(l2, msg2, recv2, async_op=True)
             # finish the previous chunk while this chunk's inter-node exchange is in flight
@@ -620,7 +673,8 @@ def _route(plan: ReducePlan, level: _Level, msgs: List[Msg]) -> List[Msg]:
 @torch.no_grad()
 def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShape, cfg: GradientsConfig,
                                  seed: int, step: int = 0, bucket_id: int = 0, op: str = "mean",
-                                 backend: str = "torch") -> List[torch.Tensor]:
+                                 backend: str = "torch",
+                                 residuals: Optional[List[Dict[tuple, torch.Tensor]]] = None) -> List[torch.Tensor]:
     """The collective run for all ranks in one process: same stages, same ops, same bits.
 
     Args:
@@ -628,6 +682,8 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
             :meth:`GradientReducer.reduce_scatter_flat`.
         shape: the topology shape; cfg, seed, step, bucket_id, op: as for the collective.
         backend: kernel backend used for the ops (on the inputs' device).
+        residuals: with ``cfg.error_feedback``, one dict per rank kept between calls (each rank's
+            ``GradientReducer.residuals``); required then.
     Returns: W tensors [S], what each rank's ``reduce_scatter_flat`` returns.
     """
     W = shape.world_size
@@ -640,6 +696,9 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
     post = _post_scale(op, W)
     _check_ints(step, bucket_id)
     plan = make_plan(S, shape, cfg, inputs[0].dtype)
+    if cfg.error_feedback and (residuals is None or len(residuals) != W):
+        raise ValueError(f"cfg.error_feedback needs residuals: one dict per rank ({W}) kept between calls")
+    stores = residuals if cfg.error_feedback else [None] * W
     dtype, device = inputs[0].dtype, inputs[0].device
     outs = [torch.empty(plan.padded, dtype=dtype, device=device) for _ in range(W)]
     if not plan.levels or S == 0:
@@ -656,7 +715,8 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
         for r in range(W):
             send = _msg_buffers(pools[r], "send1", l1, plan, W * L, 0, W * L, device)
             msgs1.append(_first_send(plan, be, x_all[r][W * a:W * (a + L)], L, send,
-                                     _key(plan, seed, step, bucket_id, l1, r, c)))
+                                     _key(plan, seed, step, bucket_id, l1, r, c),
+                                     _residual(stores[r], plan, l1, bucket_id, c, W * L, device)))
         recv1 = _route(plan, l1, msgs1)
         if len(plan.levels) == 1:
             for r in range(W):
@@ -666,7 +726,8 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
         msgs2 = []
         for r in range(W):
             send = _msg_buffers(pools[r], "send2", l2, plan, N * L, 0, N * L, device)
-            msgs2.append(_mid_send(plan, be, recv1[r], send, _key(plan, seed, step, bucket_id, l2, r, c)))
+            msgs2.append(_mid_send(plan, be, recv1[r], send, _key(plan, seed, step, bucket_id, l2, r, c),
+                                   _residual(stores[r], plan, l2, bucket_id, c, N * L, device)))
         recv2 = _route(plan, l2, msgs2)
         for r in range(W):
             _finish(plan, be, recv2[r], outs[r][a:a + L], post)
@@ -676,7 +737,8 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
 @torch.no_grad()
 def simulate_reduce_scatter(tensors: Sequence[Sequence[torch.Tensor]], shape: TopologyShape,
                             cfg: GradientsConfig, seed: int, step: int = 0, bucket_id: int = 0, op: str = "mean",
-                            backend: str = "torch") -> List[List[torch.Tensor]]:
+                            backend: str = "torch",
+                            residuals: Optional[List[Dict[tuple, torch.Tensor]]] = None) -> List[List[torch.Tensor]]:
     """:meth:`GradientReducer.reduce_scatter` run for all ranks in one process (same layout, same bits).
 
     Args:
@@ -700,5 +762,5 @@ def simulate_reduce_scatter(tensors: Sequence[Sequence[torch.Tensor]], shape: To
         _write_list_input(buf, ts, parts, cols)
         flats.append(buf.view(-1))
     outs = simulate_reduce_scatter_flat(flats, shape, cfg, seed, step=step, bucket_id=bucket_id, op=op,
-                                        backend=backend)
+                                        backend=backend, residuals=residuals)
     return [_split_output(outs[r], numels, parts, cols, r) for r in range(W)]
