@@ -52,7 +52,7 @@ from gpt import GPT, GPTConfig  # noqa: E402
 from data import WindowSampler, load_corpus, split_corpus  # noqa: E402
 from deepspeed_sdp4bit import reference as R  # noqa: E402
 from deepspeed_sdp4bit.ops import get_backend  # noqa: E402
-from deepspeed_sdp4bit.collectives.gradients import simulate_reduce_scatter  # noqa: E402
+from deepspeed_sdp4bit.collectives.gradients import ResidualStore, simulate_reduce_scatter  # noqa: E402
 from deepspeed_sdp4bit.config import GradientsConfig, WeightsConfig  # noqa: E402
 from deepspeed_sdp4bit.topology import TopologyShape  # noqa: E402
 
@@ -192,7 +192,8 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
     samplers = [WindowSampler(train, a.seq, a.micro_batch, data_seed, r, W) for r in range(W)]
     evals = [WindowSampler(held, a.seq, a.micro_batch, data_seed, r, W) for r in range(W)]
     buckets = buckets_for(part.numels, a.bucket_size)
-    residuals = [{} for _ in range(W)] if gcfg is not None and gcfg.error_feedback else None   # per rank
+    residuals = ([ResidualStore() for _ in range(W)] if gcfg is not None and gcfg.error_feedback
+                 else None)   # per rank, as each rank's reducer keeps them
     losses, probes = [], []
     t0 = time.time()
     stop_at = a.deadline_at if getattr(a, "deadline_at", None) else None
@@ -225,9 +226,12 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
             for b, idx in enumerate(buckets):
                 outs = simulate_reduce_scatter([[grads_r[r][i] for i in idx] for r in range(W)], shape, gcfg,
                                                a.sdp_seed, step=step, bucket_id=b, op="mean",
-                                               backend=a.backend, residuals=residuals)
+                                               backend=a.backend, residuals=residuals,
+                                               residual_key=("bucket", b))
                 for k, i in enumerate(idx):
                     full[i] = torch.cat([outs[d][k] for d in range(W)]).float().view(params[i].shape)
+            for store in residuals or ():
+                store.end_step()
         rec = {}
         if probe:
             ex = full if gcfg is None else [exact_reduce([grads_r[r][i] for r in range(W)], W)
@@ -346,11 +350,17 @@ def error_table(a, corpus) -> dict:
 
 
 def _median(vals):
-    vals = sorted(vals)
-    return vals[len(vals) // 2] if vals else float("nan")
+    """The upper median (a value of the list), NaN for none."""
+    return statistics.median_high(vals) if vals else float("nan")
 
 
 PROBE_METRICS = ("grad_rel_err", "replica_rel_err", "bf16_rel_err")
+DEFAULT_SDP_SEED = 1234   # --sdp-seed's default: the stochastic-rounding seed of every run unless repeated on purpose
+
+
+def rounding_seed(r: dict) -> int:
+    """A run's stochastic-rounding seed (rows written before it was recorded used the default)."""
+    return r.get("sdp_seed", DEFAULT_SDP_SEED)
 
 
 def probe_summary(r: dict) -> Dict[str, Dict[str, float]]:
@@ -376,8 +386,8 @@ def compact(r: dict) -> dict:
 
 def _seed_label(r: dict) -> str:
     """The data seed, with the stochastic-rounding seed where it is not the default."""
-    sdp = r.get("sdp_seed", 1234)
-    return str(r["data_seed"]) + ("" if sdp == 1234 else f" (rounding seed {sdp})")
+    sdp = rounding_seed(r)
+    return str(r["data_seed"]) + ("" if sdp == DEFAULT_SDP_SEED else f" (rounding seed {sdp})")
 
 
 def _smooth(xs: List[float], k: int) -> List[float]:
@@ -391,8 +401,9 @@ def _smooth(xs: List[float], k: int) -> List[float]:
 
 def gap_curves(runs: List[dict], window: int = 50, min_runs: int = 3) -> dict:
     """What ``--plot`` draws, per topology: the ZeRO-3 data-seed band (each seed's smoothed loss against the
-    seeds' mean, in %, min and max per step) and, per variant with at least ``min_runs`` finished runs paired
-    with ZeRO-3, the mean over runs of the smoothed paired gap in % (with its run count).
+    seeds' mean, in %, min and max per step) and, per variant with at least ``min_runs`` finished runs of the
+    default rounding seed paired with ZeRO-3, the mean over runs of the smoothed paired gap in % (with its run
+    count).
 
     Returns ``{"band": (lo, hi) | None, "topologies": {topo: {variant: (curve, n)}}}``.
     """
@@ -408,7 +419,7 @@ def gap_curves(runs: List[dict], window: int = 50, min_runs: int = 3) -> dict:
     per: Dict[tuple, List[List[float]]] = {}
     for r in runs:
         ref = z.get((r["data_seed"], r["steps"]))
-        if r["variant"] == "zero3" or ref is None:
+        if r["variant"] == "zero3" or ref is None or rounding_seed(r) != DEFAULT_SDP_SEED:
             continue
         mine = _smooth(r["losses"], window)
         per.setdefault((r["topology"], r["variant"]), []).append(
@@ -480,14 +491,15 @@ def report(runs: List[dict]) -> str:
         lines.append(f"| {r['variant']} | {topo} | {_seed_label(r)} | {r['steps']} | {r['train_loss']:.4f} | {gap} | "
                      f"{r['heldout_loss']:.4f} | {hgap} |")
     lines.append("")
-    lines.append("Paired gap (train loss vs the ZeRO-3 run of the same data seed), per variant and topology:")
+    lines.append("Paired gap (train loss vs the ZeRO-3 run of the same data seed), per variant and topology, over the "
+                 "runs of the default rounding seed (a repeat under another rounding seed is listed above only):")
     lines.append("")
     lines.append("| variant | topology | steps | runs | mean gap | standard error | median | min .. max |")
     lines.append("|---|---|---|---|---|---|---|---|")
     groups: Dict[tuple, List[float]] = {}
     for r in runs:
         ref = z.get((r["data_seed"], r["steps"]))
-        if r["variant"] != "zero3" and ref:
+        if r["variant"] != "zero3" and ref and rounding_seed(r) == DEFAULT_SDP_SEED:
             groups.setdefault((r["variant"], r["topology"], r["steps"]), []).append(
                 100 * (r["train_loss"] / ref["train_loss"] - 1))
     for (v, topo, steps), gaps in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
@@ -541,7 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topologies", nargs="+", default=["2x2"])
     p.add_argument("--data-seeds", nargs="+", type=int, default=[1234])
     p.add_argument("--model-seed", type=int, default=1234)
-    p.add_argument("--sdp-seed", type=int, default=1234, help="the sdp4bit block's seed")
+    p.add_argument("--sdp-seed", type=int, default=DEFAULT_SDP_SEED, help="the sdp4bit block's seed")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -655,7 +667,7 @@ def main(argv=None):
 
 def run_key(r: dict) -> tuple:
     """One row per (variant, topology, data seed, rounding seed, steps) in an --out file."""
-    return r["variant"], r["topology"], r["data_seed"], r.get("sdp_seed", 1234), r["steps"]
+    return r["variant"], r["topology"], r["data_seed"], rounding_seed(r), r["steps"]
 
 
 def weights_file(r: dict, a=None) -> str:
@@ -665,7 +677,7 @@ def weights_file(r: dict, a=None) -> str:
     tail = f"seed{r['data_seed']}_steps{r['steps']}_{shape}"
     if r["variant"] == "zero3":
         return f"zero3_{tail}.pt"
-    return f"{r['variant']}_{r['topology']}_sdp{r.get('sdp_seed', 1234)}_{tail}.pt"
+    return f"{r['variant']}_{r['topology']}_sdp{rounding_seed(r)}_{tail}.pt"
 
 
 def fill_distances(out: Path, cache: Path) -> int:

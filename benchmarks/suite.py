@@ -197,12 +197,19 @@ def mean_se(xs: Sequence[float]) -> Tuple[float, Optional[float]]:
     return m, (sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) ** 0.5
 
 
+# Keys added after rows were measured whose value here is what the code did before the key existed: a row
+# without the key ran that value (an opt-in feature added later changes nothing a row measured).
+BEHAVIOUR_BEFORE_KEY = {"sdp4bit.gradients.error_feedback": False}
+
+
 def config_differences(row_snapshot: Dict[str, object], today: Dict[str, object]) -> Dict[str, tuple]:
     """{key: (the row's value, today's)} where they differ; a key the row's version did not have reads
-    ``"absent"`` (that version could not be set that way)."""
+    ``"absent"`` (that version could not be set that way), unless BEHAVIOUR_BEFORE_KEY says what it did."""
+    def row(k):
+        return row_snapshot.get(k, BEHAVIOUR_BEFORE_KEY.get(k, "absent"))
+
     keys = sorted(set(row_snapshot) | set(today))
-    return {k: (row_snapshot.get(k, "absent"), today.get(k, "absent")) for k in keys
-            if row_snapshot.get(k, "absent") != today.get(k, "absent")}
+    return {k: (row(k), today.get(k, "absent")) for k in keys if row(k) != today.get(k, "absent")}
 
 
 def config_snapshot_at(commit: str, config: str, replica: Optional[str]) -> Optional[Dict[str, object]]:

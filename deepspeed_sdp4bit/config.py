@@ -137,7 +137,8 @@ class GradientsConfig(_Strict):
     error_feedback: bool = Field(False,
                                  description=("carry the inter-node level's quantization error into the next step's "
                                               "send (a bf16 residual of that level's input per rank: 2 bytes per "
-                                              "parameter / gpus_per_node; not in checkpoints)"))
+                                              "parameter / gpus_per_node; not in checkpoints; bf16 and fp32 "
+                                              "training only)"))
 
     @field_validator("hadamard_size")
     @classmethod
@@ -384,6 +385,10 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
         raise SDP4BitConfigError(f"sdp4bit.weights.replica='full' keeps all weights on every rank; "
                                  f"zero_optimization.zero_hpz_partition_size={hpz} makes no sense with it "
                                  f"(remove it or use replica='node')")
+    if cfg.gradients.enabled and cfg.gradients.error_feedback and _get(ds_config, "fp16", "enabled") is True:
+        raise SDP4BitConfigError("sdp4bit.gradients.error_feedback does not support fp16 yet (its residuals would "
+                                 "carry the loss scale of the step that made them): use bf16, or set "
+                                 "error_feedback to false")
     gpn = cfg.topology.gpus_per_node
     # An omitted replica with an explicit hpZ size > 1 becomes "node" (integration.choose_replica).
     replica = cfg.weights.replica or ("node" if hpz not in (None, 1) else None)

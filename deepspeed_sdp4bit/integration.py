@@ -976,7 +976,8 @@ class SDP4BitState:
         # one fused pass, no sync; fp32 norms, so a large but finite fp16 gradient does not read as inf
         bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).all()
         self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
-        parts = self.reducer.reduce_scatter(grads, op="mean", step=self.step, bucket_id=self.bucket)
+        parts = self.reducer.reduce_scatter(grads, op="mean", step=self.step, bucket_id=self.bucket,
+                                            residual_key=tuple(getattr(p, "ds_id", id(p)) for p in params))
         self.bucket += 1
         if (opt.postscale_gradients and opt.gradient_predivide_factor != 1.0
                 and opt.gradient_predivide_factor != world):
@@ -1075,6 +1076,8 @@ class SDP4BitState:
         summary["compression"] = (base / total) if total else None
         self.last_summary = summary
         self._prev = cur
+        if self.reducer is not None and self.reducer.residuals is not None:
+            self.reducer.residuals.end_step(skipped=summary["skipped"])
         self.step += 1
         self.bucket = 0
         self.nonfinite = None

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_sdp4bit.collectives.gradients import (GradientReducer, expected_list_wire_bytes,
+from deepspeed_sdp4bit.collectives.gradients import (GradientReducer, ResidualStore, expected_list_wire_bytes,
                                                      expected_wire_bytes, list_layout, make_plan,
                                                      partition_numels, segment_numel_for,
                                                      simulate_reduce_scatter, simulate_reduce_scatter_flat)
@@ -313,14 +313,17 @@ def _check_pipeline_and_steps(topo, rank, W, shape):
             assert torch.equal(out, GradientReducer(topo, GradientsConfig(intra_bits=16, inter_bits=16), seed=SEED)
                                .reduce_scatter_flat(xs[rank], step=7)), "chunking changed a 16-bit reduce"
 
-    # error feedback: the collective's residuals evolve as the simulator's, step after step
-    cfg_ef = GradientsConfig(rounding="stochastic", pipeline_chunks=2, error_feedback=True)
-    red_ef, res = GradientReducer(topo, cfg_ef, seed=SEED), [{} for _ in range(W)]
-    for t in (3, 4):
-        out = red_ef.reduce_scatter_flat(xs[rank], step=t)
-        assert torch.equal(out, simulate_reduce_scatter_flat(xs, shape, cfg_ef, SEED, step=t, residuals=res)[rank])
-    assert sorted(red_ef.residuals) == sorted(res[rank]) and (not res[rank]) == (shape.num_nodes == 1)
-    assert all(torch.equal(red_ef.residuals[k], res[rank][k]) for k in res[rank])
+    # error feedback: the collective's residuals evolve as the simulator's, step after step, new inputs each step
+    for intra in (8, 16):
+        cfg_ef = GradientsConfig(intra_bits=intra, rounding="stochastic", pipeline_chunks=2, error_feedback=True)
+        red_ef, res = GradientReducer(topo, cfg_ef, seed=SEED), [ResidualStore() for _ in range(W)]
+        for t in (3, 4):
+            xt = _normal_flats(("ef", t), S)
+            out = red_ef.reduce_scatter_flat(xt[rank], step=t)
+            assert torch.equal(out, simulate_reduce_scatter_flat(xt, shape, cfg_ef, SEED, step=t, residuals=res)[rank])
+        mine, sim = red_ef.residuals.tensors(), res[rank].tensors()
+        assert sorted(mine, key=repr) == sorted(sim, key=repr) and (not sim) == (shape.num_nodes == 1)
+        assert all(torch.equal(mine[k], sim[k]) for k in sim), intra
 
     red = GradientReducer(topo, GradientsConfig(rounding="stochastic"), seed=SEED)
     a = red.reduce_scatter_flat(xs[rank], step=5)
@@ -507,8 +510,8 @@ def test_stats_dataclass():
 def test_error_feedback_carries_the_inter_level_rounding_error(nodes, gpus, intra_bits):
     """gradients.error_feedback: fed the same gradients T times, the sum of what arrives follows T times the exact
     reduce to within about one step's error (without it the stochastic errors add up, growing as sqrt(T)); the
-    residuals are bf16, one per (bucket, chunk, size) on the ranks of the 4-bit level; a non-finite input leaves
-    finite residuals; and it needs a quantized inter level."""
+    residuals are bf16, one per (bucket, chunk); a non-finite input leaves finite residuals; and it needs a
+    quantized inter level."""
     shape = TopologyShape(nodes, gpus)
     W, S, T = shape.world_size, 1024, 24
     inputs = _normal_flats(("ef", nodes, gpus), S, W)
@@ -516,7 +519,7 @@ def test_error_feedback_carries_the_inter_level_rounding_error(nodes, gpus, intr
     errs = {}
     for ef in (False, True):
         cfg = GradientsConfig(intra_bits=intra_bits, inter_bits=4, error_feedback=ef, pipeline_chunks=2)
-        res = [{} for _ in range(W)] if ef else None
+        res = [ResidualStore() for _ in range(W)] if ef else None
         total = [torch.zeros(S) for _ in range(W)]
         for t in range(T):
             outs = simulate_reduce_scatter_flat(inputs, shape, cfg, SEED, step=t, bucket_id=3, residuals=res)
@@ -524,31 +527,54 @@ def test_error_feedback_carries_the_inter_level_rounding_error(nodes, gpus, intr
                 total[r] += outs[r].float()
         errs[ef] = max(float((total[r] - T * exact[r]).norm() / exact[r].norm()) for r in range(W))
         if ef:
-            assert all(set(k[:2] for k in d) == {(3, 0), (3, 1)} and all(v.dtype == torch.bfloat16 for v in d.values())
-                       for d in res)
+            assert all([k[1] for k in d.keys()] == [0, 1] and all(k[0] == ("bucket", 3, S) for k in d.keys())
+                       and all(v.dtype == torch.bfloat16 for v in d.tensors().values()) for d in res)
             one_step = max(float((outs[r].float() - exact[r]).norm() / exact[r].norm()) for r in range(W))
     assert errs[True] < 2 * one_step and errs[True] < errs[False] / 3, errs
-    # an overflowing step: the residuals stay finite and the next finite step is finite again
-    cfg = GradientsConfig(inter_bits=4, error_feedback=True)
-    res = [{} for _ in range(W)]
+    # an overflowing step: the residuals stay finite (DeepSpeed skips the step; end_step(skipped) drops them)
+    cfg = GradientsConfig(intra_bits=intra_bits, inter_bits=4, error_feedback=True)
+    res = [ResidualStore() for _ in range(W)]
     bad = [x.clone() for x in inputs]
     bad[0][5] = float("inf")
     simulate_reduce_scatter_flat(bad, shape, cfg, SEED, step=0, residuals=res)
-    assert all(torch.isfinite(v.float()).all() for d in res for v in d.values())
-    assert all(torch.isfinite(o).all() for o in simulate_reduce_scatter_flat(inputs, shape, cfg, SEED, step=1,
-                                                                             residuals=res))
-    with pytest.raises(ValueError, match="needs residuals: one dict per rank"):
+    assert all(torch.isfinite(v.float()).all() and v.abs().sum() > 0 for d in res for v in d.tensors().values())
+    for d in res:
+        d.end_step(skipped=True)
+    assert all(d.nbytes() == 0 for d in res)
+    with pytest.raises(ValueError, match="needs residuals: one ResidualStore per rank"):
         simulate_reduce_scatter_flat(inputs, shape, cfg, SEED)
     with pytest.raises(ValueError, match="error_feedback carries the inter-node level's quantization error, but "
                                          "inter_bits is 16"):
         GradientsConfig(inter_bits=16, error_feedback=True)
 
 
+def test_residual_store_keys_and_steps():
+    """One residual per key, zeros at first, kept while used; a step that does not use one drops it; a skipped step
+    drops all; the bucket key, not the call count, names a residual (gradient accumulation reuses it)."""
+    st = ResidualStore()
+    a = st.get((("p", 1, 2), 0), 8, "cpu")
+    assert a.dtype == torch.bfloat16 and not a.any()
+    a.fill_(1.0)
+    assert st.get((("p", 1, 2), 0), 8, "cpu").sum() == 8   # the second micro-step finds what the first left
+    st.get((("p", 3), 0), 4, "cpu")
+    st.end_step()
+    assert st.nbytes() == 2 * (8 + 4)
+    st.get((("p", 1, 2), 0), 8, "cpu")
+    st.end_step()
+    assert st.keys() == [(("p", 1, 2), 0)] and st.tensors()[(("p", 1, 2), 0)].sum() == 8
+    st.get((("p", 1, 2), 0), 8, "cpu")
+    st.end_step(skipped=True)
+    assert st.nbytes() == 0 and st.keys() == []
+
+
 def test_error_feedback_does_nothing_on_one_node():
-    """On one node there is no inter level: error feedback keeps no residual and the result is the plain one."""
+    """On one node there is no inter level: error feedback keeps no residual, the result is the plain one, and the
+    reducer says so."""
     shape = TopologyShape(1, 4)
     inputs = _normal_flats("ef1", 256, 4)
-    res = [{} for _ in range(4)]
+    res = [ResidualStore() for _ in range(4)]
     a = simulate_reduce_scatter_flat(inputs, shape, GradientsConfig(error_feedback=True), SEED, residuals=res)
     b = simulate_reduce_scatter_flat(inputs, shape, GradientsConfig(), SEED)
-    assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(not d for d in res)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and all(d.nbytes() == 0 for d in res)
+    with pytest.warns(UserWarning, match="error_feedback has nothing to carry on one node"):
+        GradientReducer(_fake_topology(1, 4), GradientsConfig(error_feedback=True), seed=SEED)

@@ -734,12 +734,21 @@ def _pipeline_worker(rank, world, backend, steps):
     res = {}
     for name, grads in (("nearest1", {"rounding": "nearest", "pipeline_chunks": 1}),
                         ("nearest3", {"rounding": "nearest", "pipeline_chunks": 3}),
-                        ("sr2", {"pipeline_chunks": 2})):
-        if name == "sr2" and backend != "torch":
+                        ("sr2", {"pipeline_chunks": 2}),
+                        ("ef", {"pipeline_chunks": 2, "error_feedback": True})):
+        if name in ("sr2", "ef") and backend != "torch":
             continue
         chunks.clear()
         e = du.make_engine(du.base_config(sdp4bit=block(backend, gradients=grads)))
         res[name] = du.train_steps(e, steps, rank)
+        if name == "ef":   # one residual per (bucket, chunk, size): the same buckets every step, so one more
+            # step adds none
+            red = e.sdp4bit.reducer
+            res["ef_keys"] = [repr(k) for k in red.residuals.keys()]
+            res["ef_residual_chunks"] = sorted({k[1] for k in red.residuals.keys()})
+            res["ef_dtypes"] = sorted({str(v.dtype) for v in red.residuals.tensors().values()})
+            du.train_steps(e, 1, rank)
+            res["ef_keys_later"] = [repr(k) for k in red.residuals.keys()]
         res[name + "_chunks"] = sorted(set(chunks))
         res[name + "_summary"] = e.sdp4bit_summary()
         res[name + "_gathered"] = {k: du.tensor_hash(v) for k, v in du.full_params_fp32(e).items()}
@@ -766,6 +775,12 @@ def test_pipeline_chunks_in_the_engine(variant):
     if variant == "torch":
         assert max(r["sr2_chunks"]) == 2
         _close(r["sr2"], r["plain"], 3e-2)
+        # gradients.error_feedback in the engine: bf16 residuals, stable across steps, loss near plain ZeRO-3
+        assert r["ef_keys"] and r["ef_keys"] == r["ef_keys_later"] and r["ef_dtypes"] == ["torch.bfloat16"]
+        assert r["ef_residual_chunks"] == [0, 1]   # both pipeline chunks carry their own residual
+        assert not any("'bucket'" in k for k in r["ef_keys"])   # named by the bucket's parameters
+        assert r["ef"] != r["sr2"]
+        _close(r["ef"], r["plain"], 3e-2)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -983,6 +998,8 @@ def _initialize(config):
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "cpu"}), "offload_optimizer"),
     (lambda c: c["zero_optimization"].update(offload_param={"device": "cpu"}), "offload_param"),
     (lambda c: c["sdp4bit"]["weights"].update(bitz=4), "bitz"),
+    (lambda c: (c["sdp4bit"].update(gradients={"error_feedback": True}), c.pop("bf16", None),
+                c.update(fp16={"enabled": True})), r"gradients.error_feedback does not support fp16"),
 ])
 def test_config_errors_name_the_key(mutate, needle):
     from deepspeed_sdp4bit import SDP4BitConfigError

@@ -67,6 +67,7 @@ excluded), the number of values those bytes carry (padding and alignment gaps in
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -324,8 +325,9 @@ def _quantize_carrying(plan: ReducePlan, be, y: torch.Tensor, level: _Level, sen
     """Error feedback: send ``q(y + residual)`` and keep ``residual = y + residual - dequant(sent)``.
 
     ``y`` [n] fp32 is already in the transformed domain (the Hadamard of the level input, or the sum of
-    transformed chunks), so the quantization runs without a transform and the residual lives in that domain; a
-    non-finite value (an overflowing fp16 step, skipped by DeepSpeed) leaves a zero residual, not a poisoned one.
+    transformed chunks), so the quantization runs without a transform and the residual lives in that domain.  A
+    non-finite value leaves a zero, not a poisoned residual; DeepSpeed skips such a step and
+    :meth:`ResidualStore.end_step` then drops all residuals.
     """
     y = y + residual.float()
     be.hadamard_quantize(y, level.bits, plan.group_size, None, plan.rounding, key, 0, swizzle=None,
@@ -399,18 +401,49 @@ def _finish(plan: ReducePlan, be, recv: Msg, out: torch.Tensor, post_scale: floa
         out.copy_(acc * torch.tensor(post_scale, dtype=torch.float32, device=acc.device))
 
 
-def _residual(store: Optional[Dict[tuple, torch.Tensor]], plan: ReducePlan, level: _Level, bucket_id: int,
-              chunk: int, n: int, device) -> Optional[torch.Tensor]:
-    """The error-feedback residual [n] (bf16, zeros at first) of ``level``'s send for (bucket, chunk), or None
-    when the level carries nothing.  Keyed by the bucket's index in the step and its size: DeepSpeed fills the
-    same buckets in the same order every step of a model that does not change."""
+class ResidualStore:
+    """Error feedback's residuals on one rank (``gradients.error_feedback``): per (bucket key, pipeline chunk,
+    size) a bf16 tensor of the inter level's send, zeros at first.
+
+    The bucket key names the bucket's parameters (the integration passes their DeepSpeed ids), so the micro-steps
+    of gradient accumulation share a bucket's residual and two buckets of equal sizes never do.  ``end_step``:
+    after a step DeepSpeed skipped (a non-finite gradient), every residual is dropped (that step's gradients were
+    thrown away, so their rounding error must not be carried, and the error carried into it was spent on them:
+    at most one step's rounding error is lost); otherwise the residuals not used in the step are dropped (a bucket
+    that no longer appears frees its memory).
+    """
+
+    def __init__(self):
+        self._res: Dict[tuple, torch.Tensor] = {}
+        self._used: set = set()
+
+    def get(self, key: tuple, n: int, device) -> torch.Tensor:
+        r = self._res.get(key)
+        if r is None or r.numel() != n or r.device != torch.device(device):
+            r = self._res[key] = torch.zeros(n, dtype=torch.bfloat16, device=device)
+        self._used.add(key)
+        return r
+
+    def end_step(self, skipped: bool = False) -> None:
+        self._res = {} if skipped else {k: v for k, v in self._res.items() if k in self._used}
+        self._used = set()
+
+    def keys(self) -> List[tuple]:
+        return sorted(self._res, key=repr)
+
+    def tensors(self) -> Dict[tuple, torch.Tensor]:
+        return dict(self._res)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._res.values())
+
+
+def _residual(store: Optional[ResidualStore], plan: ReducePlan, level: _Level, key: tuple, chunk: int, n: int,
+              device) -> Optional[torch.Tensor]:
+    """The residual of ``level``'s send for (bucket ``key``, ``chunk``), or None when the level carries nothing."""
     if store is None or not _carried(plan, level):
         return None
-    key = (bucket_id, chunk, n)
-    r = store.get(key)
-    if r is None or r.device != torch.device(device):
-        r = store[key] = torch.zeros(n, dtype=torch.bfloat16, device=device)
-    return r
+    return store.get((key, chunk), n, device)
 
 
 def _post_scale(op: str, world: int) -> float:
@@ -467,8 +500,11 @@ class GradientReducer:
         self._backends: Dict[torch.device, ops.Backend] = {}
         self._pool = BufferPool()
         self.stats = CommStats()
-        # error feedback (cfg.error_feedback): the inter level's residual per (bucket, chunk, size)
-        self.residuals: Optional[Dict[tuple, torch.Tensor]] = {} if self.cfg.error_feedback else None
+        # error feedback (cfg.error_feedback): the inter level's residuals; ends its steps through end_step
+        self.residuals: Optional[ResidualStore] = ResidualStore() if self.cfg.error_feedback else None
+        if self.cfg.error_feedback and topology.shape.num_nodes == 1:
+            warnings.warn("sdp4bit: gradients.error_feedback has nothing to carry on one node (no inter-node "
+                          "level): it keeps no residual", stacklevel=2)
 
     # -- helpers --
     def _backend(self, device: torch.device) -> ops.Backend:
@@ -512,27 +548,30 @@ class GradientReducer:
     # -- public API --
     @torch.no_grad()
     def reduce_scatter_flat(self, flat: torch.Tensor, op: str = "mean", step: int = 0,
-                            bucket_id: int = 0) -> torch.Tensor:
+                            bucket_id: int = 0, residual_key: Optional[tuple] = None) -> torch.Tensor:
         """Reduce-scatter a flat buffer.
 
         Args:
             flat: [W * S] bf16/fp16/fp32; segment r (elements r*S .. r*S+S-1) is what rank r receives.
             op: ``mean`` (sum / W) or ``sum``.
             step, bucket_id: non-negative ints entering the stochastic-rounding keys (the same on all ranks).
+            residual_key: with error feedback, what names this bucket's residual (default: bucket_id and size).
         Returns: [S] in ``flat``'s dtype, this rank's reduced segment (a fresh tensor).
         """
         W = self.topology.world_size
         S = _check_flat(flat, W)
-        return self._reduce(flat, S, S, op, step, bucket_id)
+        return self._reduce(flat, S, S, op, step, bucket_id, residual_key or ("bucket", bucket_id, S))
 
     @torch.no_grad()
     def reduce_scatter(self, tensors: Union[Sequence[torch.Tensor], torch.Tensor], op: str = "mean",
-                       step: int = 0, bucket_id: int = 0) -> List[torch.Tensor]:
+                       step: int = 0, bucket_id: int = 0, residual_key: Optional[tuple] = None) -> List[torch.Tensor]:
         """Reduce-scatter a list of tensors in DeepSpeed's ``reduce_scatter_coalesced`` layout, in one call.
 
         For a tensor ``t`` of ``n`` elements and ``chunk = ceil(n / W)``, rank ``r`` receives the reduced
         ``t.flatten()[r*chunk : min((r+1)*chunk, n)]`` (shorter or empty on the last ranks) in t's dtype.
-        All tensors must share one dtype and device.  The inputs are not modified.
+        All tensors must share one dtype and device.  The inputs are not modified.  ``residual_key``: with
+        error feedback, what names the bucket's residual (the integration passes its parameters' ids; default:
+        bucket_id and the tensors' sizes).
 
         Returns: one 1-D tensor per input tensor (views of one fresh output buffer).
         """
@@ -558,12 +597,13 @@ class GradientReducer:
         # Write the interleaved layout straight into a padded [W, S_p] buffer (one copy of the inputs).
         buf = self._pool.get("list_input", W * plan.padded, dtype, device).view(W, plan.padded)
         _write_list_input(buf, tensors, parts, cols)
-        out = self._reduce(buf.view(-1), plan.padded, sum(parts), op, step, bucket_id)
+        out = self._reduce(buf.view(-1), plan.padded, sum(parts), op, step, bucket_id,
+                           residual_key or ("bucket", bucket_id, tuple(numels)))
         return _split_output(out, numels, parts, cols, rank)
 
     # -- the algorithm --
     def _reduce(self, flat: torch.Tensor, S: int, S_baseline: int, op: str, step: int,
-                bucket_id: int) -> torch.Tensor:
+                bucket_id: int, rkey: tuple) -> torch.Tensor:
         post = _post_scale(op, self.topology.world_size)
         _check_ints(step, bucket_id)
         plan = make_plan(S, self.topology.shape, self.cfg, flat.dtype)
@@ -585,7 +625,7 @@ class GradientReducer:
             send1 = _msg_buffers(self._pool, "send1", l1, plan, W * plan.padded, W * a, W * L, flat.device)
             msg1 = _first_send(plan, be, x_all[W * a:W * (a + L)], L, send1,
                                _key(plan, self.seed, step, bucket_id, l1, rank, c),
-                               _residual(self.residuals, plan, l1, bucket_id, c, W * L, flat.device))
+                               _residual(self.residuals, plan, l1, rkey, c, W * L, flat.device))
             recv1 = _msg_buffers(self._pool, "recv1", l1, plan, W * plan.padded, W * a, W * L, flat.device)
             self._all_to_all(l1, msg1, recv1, async_op=False)
             if not two:
@@ -594,7 +634,7 @@ class GradientReducer:
             l2 = plan.levels[1]
             send2 = _msg_buffers(self._pool, "send2", l2, plan, N * plan.padded, N * a, N * L, flat.device)
             msg2 = _mid_send(plan, be, recv1, send2, _key(plan, self.seed, step, bucket_id, l2, rank, c),
-                             _residual(self.residuals, plan, l2, bucket_id, c, N * L, flat.device))
+                             _residual(self.residuals, plan, l2, rkey, c, N * L, flat.device))
             recv2 = _msg_buffers(self._pool, "recv2", l2, plan, N * plan.padded, N * a, N * L, flat.device)
             works = self._all_to_all(l2, msg2, recv2, async_op=True)
             # finish the previous chunk while this chunk's inter-node exchange is in flight
@@ -673,8 +713,8 @@ def _route(plan: ReducePlan, level: _Level, msgs: List[Msg]) -> List[Msg]:
 @torch.no_grad()
 def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShape, cfg: GradientsConfig,
                                  seed: int, step: int = 0, bucket_id: int = 0, op: str = "mean",
-                                 backend: str = "torch",
-                                 residuals: Optional[List[Dict[tuple, torch.Tensor]]] = None) -> List[torch.Tensor]:
+                                 backend: str = "torch", residuals: Optional[List[ResidualStore]] = None,
+                                 residual_key: Optional[tuple] = None) -> List[torch.Tensor]:
     """The collective run for all ranks in one process: same stages, same ops, same bits.
 
     Args:
@@ -682,8 +722,8 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
             :meth:`GradientReducer.reduce_scatter_flat`.
         shape: the topology shape; cfg, seed, step, bucket_id, op: as for the collective.
         backend: kernel backend used for the ops (on the inputs' device).
-        residuals: with ``cfg.error_feedback``, one dict per rank kept between calls (each rank's
-            ``GradientReducer.residuals``); required then.
+        residuals, residual_key: with ``cfg.error_feedback``, one :class:`ResidualStore` per rank kept between
+            calls (each rank's ``GradientReducer.residuals``; required then) and the bucket's key in them.
     Returns: W tensors [S], what each rank's ``reduce_scatter_flat`` returns.
     """
     W = shape.world_size
@@ -696,9 +736,11 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
     post = _post_scale(op, W)
     _check_ints(step, bucket_id)
     plan = make_plan(S, shape, cfg, inputs[0].dtype)
-    if cfg.error_feedback and (residuals is None or len(residuals) != W):
-        raise ValueError(f"cfg.error_feedback needs residuals: one dict per rank ({W}) kept between calls")
+    if cfg.error_feedback and (residuals is None or len(residuals) != W
+                               or not all(isinstance(x, ResidualStore) for x in residuals)):
+        raise ValueError(f"cfg.error_feedback needs residuals: one ResidualStore per rank ({W}) kept between calls")
     stores = residuals if cfg.error_feedback else [None] * W
+    rkey = residual_key or ("bucket", bucket_id, S)
     dtype, device = inputs[0].dtype, inputs[0].device
     outs = [torch.empty(plan.padded, dtype=dtype, device=device) for _ in range(W)]
     if not plan.levels or S == 0:
@@ -716,7 +758,7 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
             send = _msg_buffers(pools[r], "send1", l1, plan, W * L, 0, W * L, device)
             msgs1.append(_first_send(plan, be, x_all[r][W * a:W * (a + L)], L, send,
                                      _key(plan, seed, step, bucket_id, l1, r, c),
-                                     _residual(stores[r], plan, l1, bucket_id, c, W * L, device)))
+                                     _residual(stores[r], plan, l1, rkey, c, W * L, device)))
         recv1 = _route(plan, l1, msgs1)
         if len(plan.levels) == 1:
             for r in range(W):
@@ -727,7 +769,7 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
         for r in range(W):
             send = _msg_buffers(pools[r], "send2", l2, plan, N * L, 0, N * L, device)
             msgs2.append(_mid_send(plan, be, recv1[r], send, _key(plan, seed, step, bucket_id, l2, r, c),
-                                   _residual(stores[r], plan, l2, bucket_id, c, N * L, device)))
+                                   _residual(stores[r], plan, l2, rkey, c, N * L, device)))
         recv2 = _route(plan, l2, msgs2)
         for r in range(W):
             _finish(plan, be, recv2[r], outs[r][a:a + L], post)
@@ -737,8 +779,8 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
 @torch.no_grad()
 def simulate_reduce_scatter(tensors: Sequence[Sequence[torch.Tensor]], shape: TopologyShape,
                             cfg: GradientsConfig, seed: int, step: int = 0, bucket_id: int = 0, op: str = "mean",
-                            backend: str = "torch",
-                            residuals: Optional[List[Dict[tuple, torch.Tensor]]] = None) -> List[List[torch.Tensor]]:
+                            backend: str = "torch", residuals: Optional[List[ResidualStore]] = None,
+                            residual_key: Optional[tuple] = None) -> List[List[torch.Tensor]]:
     """:meth:`GradientReducer.reduce_scatter` run for all ranks in one process (same layout, same bits).
 
     Args:
@@ -762,5 +804,6 @@ def simulate_reduce_scatter(tensors: Sequence[Sequence[torch.Tensor]], shape: To
         _write_list_input(buf, ts, parts, cols)
         flats.append(buf.view(-1))
     outs = simulate_reduce_scatter_flat(flats, shape, cfg, seed, step=step, bucket_id=bucket_id, op=op,
-                                        backend=backend, residuals=residuals)
+                                        backend=backend, residuals=residuals,
+                                        residual_key=residual_key or ("bucket", bucket_id, tuple(numels)))
     return [_split_output(outs[r], numels, parts, cols, r) for r in range(W)]
