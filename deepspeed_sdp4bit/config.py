@@ -135,10 +135,10 @@ class GradientsConfig(_Strict):
     # Issue 21: the 4-bit inter-node level's rounding error carried into the next step's send (as qWD carries the
     # weights'), so the sum of what is sent over the steps follows the sum of the true gradients.
     error_feedback: bool = Field(False,
-                                 description=("carry the inter-node level's quantization error into the next step's "
-                                              "send (a bf16 residual of that level's input per rank: 2 bytes per "
-                                              "parameter / gpus_per_node; not in checkpoints; bf16 and fp32 "
-                                              "training only)"))
+                                 description=("ablation: carry the inter-node level's quantization error into the "
+                                              "next step's send (a bf16 residual per rank: 2 bytes per parameter / "
+                                              "gpus_per_node; not in checkpoints; not with fp16); measured: a larger "
+                                              "loss gap, not a smaller one"))
 
     @field_validator("hadamard_size")
     @classmethod
