@@ -924,7 +924,8 @@ def _sim_accuracy_goal(runs: Sequence[dict]) -> Tuple[str, str]:
         text, v = _gap_verdict(d)
         verdicts.append(v)
         f, dm, layers, lr, warmup, mlr, steps = st
-        sched = "constant lr" if warmup == 0 and mlr == 1 else f"warm-up {warmup} + cosine"
+        sched = (f"lr {lr}" + ("" if not warmup else f", warm-up {warmup}")
+                 + (", constant" if mlr == 1 else f", cosine to {mlr}x"))
         machine = next(iter(g.values())).get("machine", "?").split(",")[0]
         parts.append(f"d{dm} L{layers} {topo} {steps} steps, {sched} ({f}, {machine}): {text}")
     return _combined(parts, verdicts)

@@ -1447,6 +1447,8 @@ def _rigid_load_state_dict(orig):
         if st is not None:
             st.wait()
         orig(self, state_dict, load_optimizer_states=load_optimizer_states)
+        if st is not None and st.reducer is not None and st.reducer.residuals is not None:
+            st.reducer.residuals.end_step(skipped=True)   # error feedback: a loaded state starts with no residual
         if st is None or extra is None:
             return
         st.step = int(extra.get("step", st.step))

@@ -691,10 +691,10 @@ def test_goals_table_reads_the_deterministic_simulation(tmp_path):
     loaded = report.load_sim_runs(tmp_path)
     assert len(loaded) == len(runs) and all(r["file"] == "gpu_x.json" for r in loaded)
     line = next(x for x in report.goals_table([], [], None, loaded).splitlines() if "simulation" in x)
-    assert "d8 L1 4x1 3 steps, constant lr (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds): not met" in line
+    assert "d8 L1 4x1 3 steps, lr 0.001, constant (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds): not met" in line
     # another schedule in the same file is another group, not a silent overwrite
     other = [dict(r, args=dict(ARGS, warmup=1, min_lr_ratio=0.1)) for r in loaded if r["variant"] in ("zero3", "sdp4bit")]
     line = next(x for x in report.goals_table([], [], None, loaded + other).splitlines() if "simulation" in x)
-    assert line.count("+2.50% +- 0.29") == 2 and "warm-up 1 + cosine" in line
+    assert line.count("+2.50% +- 0.29") == 2 and "lr 0.001, warm-up 1, cosine to 0.1x" in line
     assert line.endswith("| **not met** |")
     assert not any("simulation" in x for x in report.goals_table([], [], None).splitlines())

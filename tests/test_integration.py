@@ -791,6 +791,8 @@ def _overflow_worker(rank, world, dtype):
     res = {}
     bad = {"inf": float("inf"), "nan": float("nan")}
     variants = [("plain", None, "inf"), ("node", block(), "inf"), ("full", block(replica="full"), "inf")]
+    if dtype == "bf16":   # error feedback (not with fp16): the skipped step leaves no residual behind
+        variants.append(("node_ef", block(gradients={"error_feedback": True}), "inf"))
     if dtype != "fp16":
         # bf16: a NaN too, and a reducer that turns the inf into finite garbage (as a quantizer may): the skip
         # must then come from SDP4Bit's check of the exact local gradients, not from DeepSpeed's norm
@@ -823,6 +825,8 @@ def _overflow_worker(rank, world, dtype):
                 rec["summary_skipped"].append(e.sdp4bit_summary()["skipped"])
                 if e.sdp4bit.level == "full":
                     rec["pointers"].append(all(_pointers(e).values()))
+                if e.sdp4bit.reducer is not None and e.sdp4bit.reducer.residuals is not None:
+                    rec.setdefault("residual_bytes", []).append(e.sdp4bit.reducer.residuals.nbytes())
         rec["finite"] = _finite(e)
         rec["gathered"] = {k: du.tensor_hash(v) for k, v in du.full_params_fp32(e).items()}
         if blk:
@@ -882,7 +886,9 @@ def _check_overflow(runs, names):
 
 def test_bf16_nonfinite_gradient_skips_the_step():
     runs = family(_overflow_worker, "bf16")
-    _check_overflow(runs, ["node", "full", "node_nan", "garbage"])
+    _check_overflow(runs, ["node", "full", "node_nan", "garbage", "node_ef"])
+    # error feedback: residuals after every step but the skipped one, whose end dropped them all
+    assert all(r["node_ef"]["residual_bytes"][1] == 0 and min(r["node_ef"]["residual_bytes"][::2]) > 0 for r in runs)
     _check_dropped(runs)
     # the garbage reducer really saw the inf (rank 1) and hid it: DeepSpeed's own check could not catch it
     assert any(runs[1]["garbage"]["garbage"])
