@@ -384,6 +384,39 @@ def compact(r: dict) -> dict:
     return r
 
 
+SETTING_ARGS = ("d_model", "layers", "heads", "seq", "micro_batch", "lr", "warmup", "min_lr_ratio")
+
+
+def setting(r: dict) -> tuple:
+    """What a run trained (model, batch, schedule, steps): only runs of one setting are compared."""
+    a = r.get("args") or {}
+    return tuple(a.get(k) for k in SETTING_ARGS) + (r["steps"],)
+
+
+def zero3_refs(runs: List[dict]) -> Dict[tuple, dict]:
+    """The finished ZeRO-3 runs by (setting, data seed): the reference of every paired gap."""
+    return {(setting(r), r["data_seed"]): r for r in runs if r["variant"] == "zero3" and r.get("status", "ok") == "ok"}
+
+
+def paired(runs: List[dict], refs: Optional[Dict[tuple, dict]] = None) -> List[tuple]:
+    """(run, its ZeRO-3 reference) for the finished non-ZeRO-3 runs of the default rounding seed that have one:
+    what every mean, median, curve and goal over runs counts (a repeat under another rounding seed is shown,
+    not counted)."""
+    refs = zero3_refs(runs) if refs is None else refs
+    out = []
+    for r in runs:
+        ref = refs.get((setting(r), r["data_seed"]))
+        if (r["variant"] != "zero3" and ref is not None and r.get("status", "ok") == "ok"
+                and rounding_seed(r) == DEFAULT_SDP_SEED):
+            out.append((r, ref))
+    return out
+
+
+def gap_pct(r: dict, ref: dict, key: str = "train_loss") -> float:
+    """``r``'s ``key`` against its ZeRO-3 reference, in %."""
+    return 100 * (r[key] / ref[key] - 1)
+
+
 def _seed_label(r: dict) -> str:
     """The data seed, with the stochastic-rounding seed where it is not the default."""
     sdp = rounding_seed(r)
@@ -407,23 +440,20 @@ def gap_curves(runs: List[dict], window: int = 50, min_runs: int = 3) -> dict:
 
     Returns ``{"band": (lo, hi) | None, "topologies": {topo: {variant: (curve, n)}}}``.
     """
-    runs = [r for r in runs if r.get("status", "ok") == "ok"]
-    z = {(r["data_seed"], r["steps"]): _smooth(r["losses"], window) for r in runs if r["variant"] == "zero3"}
+    refs = zero3_refs(runs)
+    smooth = {id(r): _smooth(r["losses"], window) for r in refs.values()}
     band = None
-    if len(z) > 1:
-        curves = list(z.values())
+    if len(refs) > 1:
+        curves = list(smooth.values())
         n = min(len(c) for c in curves)
         mean = [sum(c[i] for c in curves) / len(curves) for i in range(n)]
         rel = [[100 * (c[i] / mean[i] - 1) for i in range(n)] for c in curves]
         band = ([min(col) for col in zip(*rel)], [max(col) for col in zip(*rel)])
     per: Dict[tuple, List[List[float]]] = {}
-    for r in runs:
-        ref = z.get((r["data_seed"], r["steps"]))
-        if r["variant"] == "zero3" or ref is None or rounding_seed(r) != DEFAULT_SDP_SEED:
-            continue
+    for r, ref in paired(runs, refs):
         mine = _smooth(r["losses"], window)
         per.setdefault((r["topology"], r["variant"]), []).append(
-            [100 * (a / b - 1) for a, b in zip(mine, ref)])
+            [100 * (a / b - 1) for a, b in zip(mine, smooth[id(ref)])])
     topos: Dict[str, dict] = {}
     for (topo, v), cs in sorted(per.items()):
         if len(cs) < min_runs:
@@ -472,7 +502,7 @@ def report(runs: List[dict]) -> str:
     lines = []
     stopped = [r for r in runs if r.get("status", "ok") != "ok"]
     runs = [r for r in runs if r.get("status", "ok") == "ok"]
-    z = {(r["data_seed"], r["steps"]): r for r in runs if r["variant"] == "zero3"}
+    z = zero3_refs(runs)
     zl = sorted(r["train_loss"] for r in z.values())
     zh = sorted(r["heldout_loss"] for r in z.values())
     if zl:
@@ -484,9 +514,9 @@ def report(runs: List[dict]) -> str:
     lines.append("| variant | topology | data seed | steps | train loss | vs ZeRO-3 (same seed) | held-out | vs ZeRO-3 |")
     lines.append("|---|---|---|---|---|---|---|---|")
     for r in sorted(runs, key=lambda r: (r["variant"] != "zero3", r["topology"], r["variant"], r["data_seed"])):
-        ref = z.get((r["data_seed"], r["steps"]))
-        gap = f"{100 * (r['train_loss'] / ref['train_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
-        hgap = f"{100 * (r['heldout_loss'] / ref['heldout_loss'] - 1):+.2f}%" if ref and r is not ref else "-"
+        ref = z.get((setting(r), r["data_seed"]))
+        gap = f"{gap_pct(r, ref):+.2f}%" if ref and r is not ref else "-"
+        hgap = f"{gap_pct(r, ref, 'heldout_loss'):+.2f}%" if ref and r is not ref else "-"
         topo = "any" if r["variant"] == "zero3" else r["topology"]
         lines.append(f"| {r['variant']} | {topo} | {_seed_label(r)} | {r['steps']} | {r['train_loss']:.4f} | {gap} | "
                      f"{r['heldout_loss']:.4f} | {hgap} |")
@@ -497,11 +527,8 @@ def report(runs: List[dict]) -> str:
     lines.append("| variant | topology | steps | runs | mean gap | standard error | median | min .. max |")
     lines.append("|---|---|---|---|---|---|---|---|")
     groups: Dict[tuple, List[float]] = {}
-    for r in runs:
-        ref = z.get((r["data_seed"], r["steps"]))
-        if r["variant"] != "zero3" and ref and rounding_seed(r) == DEFAULT_SDP_SEED:
-            groups.setdefault((r["variant"], r["topology"], r["steps"]), []).append(
-                100 * (r["train_loss"] / ref["train_loss"] - 1))
+    for r, ref in paired(runs, z):
+        groups.setdefault((r["variant"], r["topology"], r["steps"]), []).append(gap_pct(r, ref))
     for (v, topo, steps), gaps in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
         m, se = mean_se(gaps)
         lines.append(f"| {v} | {topo} | {steps} | {len(gaps)} | {m:+.2f}% | "

@@ -897,37 +897,25 @@ def load_sim_runs(d: Path = SIM_GPU_RUNS) -> List[dict]:
 
 def _sim_accuracy_goal(runs: Sequence[dict]) -> Tuple[str, str]:
     """Issue 21's goal on the deterministic simulation (accuracy-sim: every run repeats bit for bit, so a pair
-    differs by the quantization alone): the shipped config (variant ``sdp4bit``, default rounding seed) against
-    ZeRO-3 of the same data seed, per file, model, schedule, steps and topology."""
-    from . import accuracy_sim
+    differs by the quantization alone): the shipped config (variant ``sdp4bit``) against ZeRO-3 of the same data
+    seed, paired as accuracy-sim's own report pairs them (``accuracy_sim.paired``), per file, setting (model,
+    schedule, steps) and topology."""
+    from . import accuracy_sim as S
 
-    def setting(r):
-        a = r.get("args", {})
-        return (r["file"], a.get("d_model"), a.get("layers"), a.get("lr"), a.get("warmup"), a.get("min_lr_ratio"),
-                r["steps"])
-
+    groups: Dict[tuple, List[float]] = {}
+    for f in sorted({r["file"] for r in runs}):
+        for r, ref in S.paired([r for r in runs if r["file"] == f]):
+            if r["variant"] == "sdp4bit":
+                groups.setdefault((f, S.setting(r), r["topology"]), []).append((r, S.gap_pct(r, ref)))
     parts, verdicts = [], []
-    zero3: Dict[tuple, Dict[int, dict]] = {}
-    groups: Dict[tuple, Dict[int, dict]] = {}
-    for r in runs:
-        if accuracy_sim.rounding_seed(r) != accuracy_sim.DEFAULT_SDP_SEED:
-            continue
-        if r["variant"] == "zero3":
-            zero3.setdefault(setting(r), {})[r["data_seed"]] = r
-        elif r["variant"] == "sdp4bit":
-            groups.setdefault((setting(r), r["topology"]), {})[r["data_seed"]] = r
-    for (st, topo), g in sorted(groups.items(), key=lambda kv: repr(kv[0])):
-        ref = zero3.get(st, {})
-        d = [100 * (r["train_loss"] / ref[s]["train_loss"] - 1) for s, r in sorted(g.items()) if s in ref]
-        if not d:
-            continue
-        text, v = _gap_verdict(d)
+    for (f, st, topo), g in sorted(groups.items(), key=lambda kv: repr(kv[0])):
+        text, v = _gap_verdict([d for _, d in sorted(g, key=lambda x: x[0]["data_seed"])])
         verdicts.append(v)
-        f, dm, layers, lr, warmup, mlr, steps = st
-        sched = (f"lr {lr}" + ("" if not warmup else f", warm-up {warmup}")
-                 + (", constant" if mlr == 1 else f", cosine to {mlr}x"))
-        machine = next(iter(g.values())).get("machine", "?").split(",")[0]
-        parts.append(f"d{dm} L{layers} {topo} {steps} steps, {sched} ({f}, {machine}): {text}")
+        a = dict(zip(S.SETTING_ARGS, st))
+        sched = (f"lr {a['lr']}" + ("" if not a["warmup"] else f", warm-up {a['warmup']}")
+                 + (", constant" if a["min_lr_ratio"] == 1 else f", cosine to {a['min_lr_ratio']}x"))
+        machine = g[0][0].get("machine", "?").split(",")[0]
+        parts.append(f"d{a['d_model']} L{a['layers']} {topo} {st[-1]} steps, {sched} ({f}, {machine}): {text}")
     return _combined(parts, verdicts)
 
 
