@@ -976,8 +976,10 @@ class SDP4BitState:
         # one fused pass, no sync; fp32 norms, so a large but finite fp16 gradient does not read as inf
         bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).all()
         self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
+        # error feedback only: the bucket's residual is named by its parameters (no per-parameter work otherwise)
+        rkey = tuple(getattr(p, "ds_id", id(p)) for p in params) if self.reducer.residuals is not None else None
         parts = self.reducer.reduce_scatter(grads, op="mean", step=self.step, bucket_id=self.bucket,
-                                            residual_key=tuple(getattr(p, "ds_id", id(p)) for p in params))
+                                            residual_key=rkey)
         self.bucket += 1
         if (opt.postscale_gradients and opt.gradient_predivide_factor != 1.0
                 and opt.gradient_predivide_factor != world):
@@ -1448,7 +1450,7 @@ def _rigid_load_state_dict(orig):
             st.wait()
         orig(self, state_dict, load_optimizer_states=load_optimizer_states)
         if st is not None and st.reducer is not None and st.reducer.residuals is not None:
-            st.reducer.residuals.end_step(skipped=True)   # error feedback: a loaded state starts with no residual
+            st.reducer.residuals.clear()   # error feedback: a loaded state starts with no residual
         if st is None or extra is None:
             return
         st.step = int(extra.get("step", st.step))

@@ -425,8 +425,15 @@ class ResidualStore:
         return r
 
     def end_step(self, skipped: bool = False) -> None:
-        self._res = {} if skipped else {k: v for k, v in self._res.items() if k in self._used}
+        if skipped:
+            self.clear()
+            return
+        self._res = {k: v for k, v in self._res.items() if k in self._used}
         self._used = set()
+
+    def clear(self) -> None:
+        """Drop every residual (a skipped step; a state loaded from a checkpoint)."""
+        self._res, self._used = {}, set()
 
     def keys(self) -> List[tuple]:
         return sorted(self._res, key=repr)
@@ -436,6 +443,11 @@ class ResidualStore:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._res.values())
+
+
+def _bucket_key(bucket_id: int, sizes) -> tuple:
+    """A residual's bucket key when the caller names none: the bucket's index in the step and its size(s)."""
+    return ("bucket", bucket_id, sizes)
 
 
 def _residual(store: Optional[ResidualStore], plan: ReducePlan, level: _Level, key: tuple, chunk: int, n: int,
@@ -560,7 +572,7 @@ class GradientReducer:
         """
         W = self.topology.world_size
         S = _check_flat(flat, W)
-        return self._reduce(flat, S, S, op, step, bucket_id, residual_key or ("bucket", bucket_id, S))
+        return self._reduce(flat, S, S, op, step, bucket_id, residual_key or _bucket_key(bucket_id, S))
 
     @torch.no_grad()
     def reduce_scatter(self, tensors: Union[Sequence[torch.Tensor], torch.Tensor], op: str = "mean",
@@ -598,7 +610,7 @@ class GradientReducer:
         buf = self._pool.get("list_input", W * plan.padded, dtype, device).view(W, plan.padded)
         _write_list_input(buf, tensors, parts, cols)
         out = self._reduce(buf.view(-1), plan.padded, sum(parts), op, step, bucket_id,
-                           residual_key or ("bucket", bucket_id, tuple(numels)))
+                           residual_key or _bucket_key(bucket_id, tuple(numels)))
         return _split_output(out, numels, parts, cols, rank)
 
     # -- the algorithm --
@@ -740,7 +752,7 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
                                or not all(isinstance(x, ResidualStore) for x in residuals)):
         raise ValueError(f"cfg.error_feedback needs residuals: one ResidualStore per rank ({W}) kept between calls")
     stores = residuals if cfg.error_feedback else [None] * W
-    rkey = residual_key or ("bucket", bucket_id, S)
+    rkey = residual_key or _bucket_key(bucket_id, S)
     dtype, device = inputs[0].dtype, inputs[0].device
     outs = [torch.empty(plan.padded, dtype=dtype, device=device) for _ in range(W)]
     if not plan.levels or S == 0:
@@ -805,5 +817,5 @@ def simulate_reduce_scatter(tensors: Sequence[Sequence[torch.Tensor]], shape: To
         flats.append(buf.view(-1))
     outs = simulate_reduce_scatter_flat(flats, shape, cfg, seed, step=step, bucket_id=bucket_id, op=op,
                                         backend=backend, residuals=residuals,
-                                        residual_key=residual_key or ("bucket", bucket_id, tuple(numels)))
+                                        residual_key=residual_key or _bucket_key(bucket_id, tuple(numels)))
     return [_split_output(outs[r], numels, parts, cols, r) for r in range(W)]
