@@ -91,6 +91,12 @@ VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     # the Hadamard block as large as the group: one transform spreads a group's outliers over all of it, so the
     # group's abs-max (and the noise it sets for every element) follows the group's RMS, not its loudest block
     "sdp4bit_h128": {"grads": {"hadamard_size": 128}, "weights": {}},
+    # smaller gradient groups (4 + 32/g bits per value for the scales): at g = 32 every Hadamard block has its
+    # own scale, so a quiet block's noise follows its own abs-max, not the loudest block of its group of 128;
+    # without the transform each group of 32 raw values keeps its own scale
+    "sdp4bit_g32": {"grads": {"group_size": 32}, "weights": {}},
+    "sdp4bit_g64": {"grads": {"group_size": 64}, "weights": {}},
+    "sdp4bit_noh_g32": {"grads": {"group_size": 32, "hadamard": False}, "weights": {}},
     # the inter-node level's rounding error carried into the next step (gradients.error_feedback)
     "sdp4bit_ef": {"grads": {"error_feedback": True}, "weights": {}},
     # 4 bits at both levels, no transform: the paper's ULq (ZeRO++'s qgZ), here with our groups of 128

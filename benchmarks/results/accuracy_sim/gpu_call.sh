@@ -12,7 +12,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > $OUT/logs/gpu.t
 python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" > $OUT/logs/build.txt 2>&1; tail -2 $OUT/logs/build.txt
 echo "built at $SECONDS s"
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> $OUT/logs/util.txt; sleep 10; done) & mon=$!
-COMMON="--device cuda --backend auto --threads 2 --deterministic --d-model 768 --layers 12 --heads 12 --seq 1024 --micro-batch 8 --lr 6e-4 --steps 500 --bucket-size 50000000 --eval-batches 8 --probe-every 50 --ref-cache /tmp/sim_ref --verbose"
+# SIM_MODEL: the model and schedule arguments (default: the 86M GPT of issue 21; the d128 L4 model of the CPU
+# runs is "--d-model 128 --layers 4 --heads 4 --seq 128 --micro-batch 8 --lr 1e-3 --warmup 20 --min-lr-ratio 0.1
+# --steps 500 --eval-batches 4 --probe-every 25")
+SIM_MODEL=${SIM_MODEL:-"--d-model 768 --layers 12 --heads 12 --seq 1024 --micro-batch 8 --lr 6e-4 --steps 500 --eval-batches 8 --probe-every 50"}
+COMMON="--device cuda --backend auto --threads 2 --deterministic $SIM_MODEL --bucket-size 50000000 --ref-cache /tmp/sim_ref --verbose"
 i=0; pids=()
 for job in "$@"; do
   i=$((i+1))
