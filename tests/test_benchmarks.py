@@ -679,7 +679,7 @@ def test_goals_table_reads_the_deterministic_simulation(tmp_path):
     """Issue 21's goal row of the GPU accuracy-sim files: the shipped config's paired gaps per topology, the
     default rounding seed only, the same verdict rule as the engine's rows (mean +- 2 SE against +0.3%)."""
     z = [4.0, 3.0, 2.0]
-    ARGS = {"d_model": 8, "layers": 1, "lr": 1e-3, "warmup": 0, "min_lr_ratio": 1.0}
+    ARGS = {"d_model": 768, "layers": 12, "lr": 1e-3, "warmup": 0, "min_lr_ratio": 1.0}   # the issue's model
     runs = [dict(_fake_sim_run("zero3", "2x2", s, z), args=ARGS) for s in (1, 2, 3)]
     for s, f in ((1, 1.02), (2, 1.03), (3, 1.025)):
         runs.append(dict(_fake_sim_run("sdp4bit", "4x1", s, [x * f for x in z]), args=ARGS))
@@ -691,7 +691,11 @@ def test_goals_table_reads_the_deterministic_simulation(tmp_path):
     loaded = report.load_sim_runs(tmp_path)
     assert len(loaded) == len(runs) and all(r["file"] == "gpu_x.json" for r in loaded)
     line = next(x for x in report.goals_table([], [], None, loaded).splitlines() if "simulation" in x)
-    assert "d8 L1 4x1 3 steps, lr 0.001, constant (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds): not met" in line
+    assert "d768 L12 4x1 3 steps, lr 0.001, constant (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds): not met" in line
+    # a smaller model's screen in the same files does not measure the issue's goal
+    small = [dict(r, args=dict(ARGS, d_model=128, layers=4)) for r in loaded]
+    line2 = next(x for x in report.goals_table([], [], None, loaded + small).splitlines() if "simulation" in x)
+    assert line2 == line and "d128" not in line2
     # another schedule in the same file is another group, not a silent overwrite
     other = [dict(r, args=dict(ARGS, warmup=1, min_lr_ratio=0.1)) for r in loaded if r["variant"] in ("zero3", "sdp4bit")]
     line = next(x for x in report.goals_table([], [], None, loaded + other).splitlines() if "simulation" in x)

@@ -423,6 +423,18 @@ def test_report_with_and_without_rate_rows(tmp_path, capsys):
     report.run(args)
     md = (d / "projection.md").read_text()
     assert "largest error" in md and md.count("| check |") == 12 and "sdp4bit/full" in md
+    assert "one-way delay" not in md   # no delayed row: no delay table
+    # a delay point (unshaped, 1 ms): left out of the fit (no latency term) but shown with its speed-ups
+    delayed = [dict(unshaped[0], row_id=f"d/{k}", run_id="d", config=k.partition("/")[0], variant=k.partition("/")[0],
+                    replica=k.partition("/")[2] or None, ms_per_step=ms, link_delay_us=1000.0,
+                    link_measured_gbps=4.7, link_probe=True)
+               for k, ms in (("zero3", 4800.0), ("zeropp", 8000.0), ("sdp4bit/full", 800.0))]
+    (d / "throughput.json").write_text(json.dumps(unshaped + rows + delayed))
+    report.run(args)
+    md = (d / "projection.md").read_text()
+    assert "| 406M | 4x1 | sdp4bit/full | 1000 | off | 4.70 |" in md and "| 800 | 6.00x | 10.00x |" in md
+    assert "d/sdp4bit/full: a delay of 1000 us (the model has no latency term)" in md
+    (d / "throughput.json").write_text(json.dumps(unshaped + rows))
     assert "synthetic" in (d / "linkrate.md").read_text()
     # the unshaped table is not mixed with the sweep
     assert (d / "throughput.md").read_text().count("| 406M |") == 1
