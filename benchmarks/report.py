@@ -586,11 +586,12 @@ def projection_md(res: dict, rows: Sequence[dict] = ()) -> str:
     if delayed:   # measured points the model cannot describe (no latency term): shown, never fitted
         lines += ["", "Measured speed-up of SDP4Bit under the knob's one-way delay (not in the model, which has no "
                   "latency term; rate: NCCL's all-gather rate measured in the run under that delay):", ""]
-        lines += _header("model", "topology", "config", "delay us", "knob Gb/s", "rate Gb/s", "NCCL sockets",
-                         "SDP4Bit ms", "vs ZeRO-3", "vs ZeRO++", "commit")
+        lines += _header("model", "topology", "config", "variant", "delay us", "knob Gb/s", "rate Gb/s",
+                         "NCCL sockets", "SDP4Bit ms", "vs ZeRO-3", "vs ZeRO++", "commit")
         for r in delayed:
             sock = link.sockets_label(r.get("nccl_socket_nthreads"), r.get("nccl_nsocks_perthread"))
-            lines.append(f"| {r['model']} | {r['topology']} | {projection.fit_key(r)} | {r['link_delay_us']:g} | "
+            lines.append(f"| {r['model']} | {r['topology']} | {projection.fit_key(r)} | {r.get('variant') or '-'} | "
+                         f"{r['link_delay_us']:g} | "
                          f"{format(r['link_gbps'], 'g') if r.get('link_gbps') else 'off'} | "
                          f"{_fmt(r.get('link_measured_gbps'), '.2f')} | {sock} | {r['ms_per_step']:.0f} | "
                          f"{_ratio(r, rows, 'zero3')} | {_ratio(r, rows, 'zeropp')} | {r.get('commit')} |")
@@ -830,7 +831,10 @@ def _world1_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, s
             q = r["ms_per_step"] / b["ms_per_step"]
             overlap = r.get("ms_min", r["ms_per_step"]) <= GOAL_WORLD1 * b.get("ms_max", b["ms_per_step"])
             v = "met" if q <= GOAL_WORLD1 else ("not resolved" if overlap else "not met")
-            verdicts.append(v)
+            n, nb = r.get("timed_steps"), b.get("timed_steps")
+            if n != nb:   # e.g. ZeRO-3 under e2e's --timed-slow: the two medians are not of the same kind
+                v = f"not resolved (timed steps: {n} vs {nb})"
+            verdicts.append(v.split(" (")[0])
             parts.append(f"{model}: {r['ms_per_step']:.1f} ({r.get('ms_min', 0):.0f}-{r.get('ms_max', 0):.0f}) vs "
                          f"{b['ms_per_step']:.1f} ({b.get('ms_min', 0):.0f}-{b.get('ms_max', 0):.0f}) ms, "
                          f"{100 * (q - 1):+.2f}%: {v} ({r.get('machine')}, {_mark(r, today)})")

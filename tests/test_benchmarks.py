@@ -460,11 +460,14 @@ def test_headline_and_goals_prefer_todays_default_code_too():
         in speed   # a: 7x ZeRO-3 but no ZeRO++ in its run, b: 5x < 6x
     assert report._verdict(["met", "incomplete"]) == "met in 1 of 2 runs (1 without every baseline in the run)"
     # world size 1: above the 1% but inside the steps' own spread is not resolved; outside it, not met
-    def w1(ms, lo, hi, zms, zlo, zhi):
-        s_ = dict(new, topology="1x1", ranks=1, ms_per_step=ms, ms_min=lo, ms_max=hi)
-        z = dict(z_b, topology="1x1", ranks=1, ms_per_step=zms, ms_min=zlo, ms_max=zhi)
+    def w1(ms, lo, hi, zms, zlo, zhi, n=6, zn=6):
+        s_ = dict(new, topology="1x1", ranks=1, ms_per_step=ms, ms_min=lo, ms_max=hi, timed_steps=n)
+        z = dict(z_b, topology="1x1", ranks=1, ms_per_step=zms, ms_min=zlo, ms_max=zhi, timed_steps=zn)
         return next(x for x in report.goals_table([s_, z], [], None).splitlines() if "world size 1" in x)
     assert "+3.00%: not resolved" in w1(103.0, 98.0, 108.0, 100.0, 95.0, 104.0)
+    # medians of 40 and of 2 timed steps are not compared as equals, whatever the ratio
+    line = w1(100.5, 99.0, 102.0, 100.0, 95.0, 104.0, 40, 2)
+    assert "+0.50%: not resolved (timed steps: 40 vs 2)" in line and line.endswith("| **not resolved** |")
     assert "+20.00%: not met" in w1(120.0, 118.0, 125.0, 100.0, 95.0, 104.0)
     assert "**met**" in w1(100.5, 99.0, 102.0, 100.0, 95.0, 104.0)
     assert report._verdict(["met", "met"], ["x"]) == "met in 2 of 2 runs; not measured: x"

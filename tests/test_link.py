@@ -429,10 +429,15 @@ def test_report_with_and_without_rate_rows(tmp_path, capsys):
                     replica=k.partition("/")[2] or None, ms_per_step=ms, link_delay_us=1000.0,
                     link_measured_gbps=4.7, link_probe=True)
                for k, ms in (("zero3", 4800.0), ("zeropp", 8000.0), ("sdp4bit/full", 800.0))]
-    (d / "throughput.json").write_text(json.dumps(unshaped + rows + delayed))
+    # and one in a run of its own, without baselines or a probed rate
+    alone = dict(delayed[-1], row_id="e/sdp4bit/full", run_id="e", topology="2x2", link_measured_gbps=None,
+                 created="later")
+    (d / "throughput.json").write_text(json.dumps(unshaped + rows + delayed + [alone]))
     report.run(args)
     md = (d / "projection.md").read_text()
-    assert "| 406M | 4x1 | sdp4bit/full | 1000 | off | 4.70 |" in md and "| 800 | 6.00x | 10.00x |" in md
+    assert "| 406M | 4x1 | sdp4bit/full | sdp4bit | 1000 | off | 4.70 |" in md and "| 800 | 6.00x | 10.00x |" in md
+    assert md.count("| 1000 | off |") == 2   # the SDP4Bit rows only: baselines are not rows of the table
+    assert "| 406M | 2x2 | sdp4bit/full | sdp4bit | 1000 | off | - | defaultxdefault | 800 | not measured | not measured |" in md
     assert "d/sdp4bit/full: a delay of 1000 us (the model has no latency term)" in md
     (d / "throughput.json").write_text(json.dumps(unshaped + rows))
     assert "synthetic" in (d / "linkrate.md").read_text()
