@@ -551,10 +551,10 @@ def report(runs: List[dict]) -> str:
         f"{c}: grad err / weight err / dist" for c in classes) + " |")
     lines.append("|---|---|---|" + "---|" * len(classes))
     for r in sorted(runs, key=lambda r: (r["topology"], r["variant"], r["data_seed"])):
-        cells = []
+        cells, summary = [], probe_summary(r)
         for c in classes:
             names = [n for n, k in r["classes"].items() if k == c]
-            ge, we, be = (probe_summary(r)[c][m] for m in PROBE_METRICS)
+            ge, we, be = (summary[c][m] for m in PROBE_METRICS)
             dist = (f"{_median([r['final_rel_dist_to_zero3'][n] for n in names]):.3f}"
                     if "final_rel_dist_to_zero3" in r else "-")
             cells.append(f"{ge:.3f} / {we:.4f} ({be:.4f}) / {dist}")

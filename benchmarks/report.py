@@ -832,12 +832,13 @@ def _world1_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, s
             overlap = r.get("ms_min", r["ms_per_step"]) <= GOAL_WORLD1 * b.get("ms_max", b["ms_per_step"])
             v = "met" if q <= GOAL_WORLD1 else ("not resolved" if overlap else "not met")
             n, nb = r.get("timed_steps"), b.get("timed_steps")
+            why = ""
             if n != nb:   # e.g. ZeRO-3 under e2e's --timed-slow: the two medians are not of the same kind
-                v = f"not resolved (timed steps: {n} vs {nb})"
-            verdicts.append(v.split(" (")[0])
+                v, why = "not resolved", f" (timed steps: {n} vs {nb})"
+            verdicts.append(v)
             parts.append(f"{model}: {r['ms_per_step']:.1f} ({r.get('ms_min', 0):.0f}-{r.get('ms_max', 0):.0f}) vs "
                          f"{b['ms_per_step']:.1f} ({b.get('ms_min', 0):.0f}-{b.get('ms_max', 0):.0f}) ms, "
-                         f"{100 * (q - 1):+.2f}%: {v} ({r.get('machine')}, {_mark(r, today)})")
+                         f"{100 * (q - 1):+.2f}%: {v}{why} ({r.get('machine')}, {_mark(r, today)})")
     return _combined(parts, verdicts)
 
 
@@ -927,9 +928,10 @@ def _sim_accuracy_goal(runs: Sequence[dict]) -> Tuple[str, str]:
     groups: Dict[tuple, List[float]] = {}
     for f in sorted({r["file"] for r in runs}):
         for r, ref in S.paired([r for r in runs if r["file"] == f]):
-            a = dict(zip(S.SETTING_ARGS, S.setting(r)))
-            if r["variant"] == "sdp4bit" and (a["d_model"], a["layers"]) == ISSUE21_MODEL:
-                groups.setdefault((f, S.setting(r), r["topology"]), []).append((r, S.gap_pct(r, ref)))
+            st = S.setting(r)
+            model = tuple(st[S.SETTING_ARGS.index(k)] for k in ("d_model", "layers"))
+            if r["variant"] == "sdp4bit" and model == ISSUE21_MODEL:
+                groups.setdefault((f, st, r["topology"]), []).append((r, S.gap_pct(r, ref)))
     parts, verdicts = [], []
     for (f, st, topo), g in sorted(groups.items(), key=lambda kv: repr(kv[0])):
         text, v = _gap_verdict([d for _, d in sorted(g, key=lambda x: x[0]["data_seed"])])
