@@ -15,7 +15,7 @@ ZeRO++ scales ignored): ZeRO-3 bf16 all-gather in forward and in backward, 2 x 2
 gathers inside the node 2 x 2P(g-1)/g; replica full: none.
 
 Under the bandwidth knob (``--link-gbps R [R ...]``, benchmarks/link.py: an LD_PRELOAD limit of each rank's TCP
-egress; share-GPU mode or ``--transport sockets`` or CPU) every config runs once per rate; rows carry
+egress; share-GPU mode, ``--transport sockets`` / ``nodes`` or CPU) every config runs once per rate; rows carry
 ``link_gbps`` (requested; null = unshaped), ``link_measured_gbps`` / ``link_measured_source`` (the
 ``linkrate`` collective row with the same settings and machine measured nearest in time, from OUT/linkrate.json
 or ``--link-rates-from``; null when none was measured yet), ``nccl_socket_nthreads`` / ``nccl_nsocks_perthread``
@@ -157,10 +157,13 @@ def run(args) -> int:
     except ValueError as e:
         raise SystemExit(f"e2e: {e}")
     if (args.link_gbps or threads or delay) and not cpu and not args.share_gpu and args.ranks_per_gpu == 1 \
-            and args.transport != "sockets":
+            and args.transport not in suite.TCP_TRANSPORTS:
         raise SystemExit("e2e: --link-gbps / --link-delay-us / --nccl-sockets concern TCP traffic: use them with "
-                         "--share-gpu / --ranks-per-gpu, --transport sockets, or on CPU (NVLink and shared memory "
-                         "bypass sockets)")
+                         "--share-gpu / --ranks-per-gpu, --transport sockets / nodes, or on CPU (NVLink and shared "
+                         "memory bypass sockets)")
+    if args.transport == "nodes" and (args.share_gpu or args.ranks_per_gpu > 1):
+        raise SystemExit("e2e: --transport nodes runs one rank per GPU (each node's GPUs one NCCL host); it "
+                         "excludes --share-gpu / --ranks-per-gpu")
     # fewer ranks first (1x1 gives the bound), otherwise in the order given
     topos = sorted({t: suite.parse_topology(t) for t in args.topologies}.items(),
                    key=lambda kv: (kv[1][0] * kv[1][1], args.topologies.index(kv[0])))
@@ -210,9 +213,11 @@ def run(args) -> int:
                 raise SystemExit(f"e2e: topology {topo} has {world} ranks but {n_gpus} GPU(s) x "
                                  f"--ranks-per-gpu {rpg}; pass --ranks-per-gpu {world} (or --share-gpu)")
             share = (not cpu) and rpg > 1
-            if args.probe_link and world > 1 and not (cpu or share):
-                raise SystemExit("e2e: --probe-link measures the sockets of share-GPU ranks (or gloo on CPU); "
-                                 f"topology {topo} runs one rank per GPU here")
+            # --transport nodes: each logical node its own NCCL host (NVLink inside, sockets between)
+            hosts = (not cpu) and (not share) and world > 1 and args.transport == "nodes"
+            if args.probe_link and world > 1 and not (cpu or share or hosts):
+                raise SystemExit("e2e: --probe-link measures the sockets of share-GPU ranks, of the nodes of "
+                                 f"--transport nodes (or gloo on CPU); topology {topo} runs one rank per GPU here")
             for v in variants:
                 slow = v.config in args.slow
                 warmup = args.warmup_slow if slow and args.warmup_slow is not None else args.warmup
@@ -237,11 +242,11 @@ def run(args) -> int:
                     rows.append(row)
                     continue
                 ds_set = v.ds_set(gpn, share)
-                one_gpu_flag = not cpu and not share and gpn == 1 and world > 1
+                one_gpu_flag = not cpu and not share and not hosts and gpn == 1 and world > 1
                 # Nothing of this run depends on the node layout (no sdp4bit block, no hpZ size, no per-rank
                 # GPU split): ZeRO-3 and ZeRO++ in share-GPU mode.  Such a run is measured once per call and
                 # model and rank count, and its row stands for every topology with those ranks.
-                row["topology_independent"] = (not one_gpu_flag
+                row["topology_independent"] = (not one_gpu_flag and not hosts
                                                and all(v.ds_set(g, share) == ds_set for g in (1, 2, 3)))
                 ikey = (model, v.label, world, rpg, gbps)
                 if row["topology_independent"] and ikey in independent:
@@ -262,7 +267,10 @@ def run(args) -> int:
                     suite.write_json(res_file, doc)
                     suite.merge_rows(results, [row])
                     continue
-                probed = probe(gbps, world) if args.probe_link and world > 1 else None
+                # the link between nodes: in --transport nodes the probe runs one rank per node (on one GPU, each
+                # its own host: the same sockets and knob); a single node has no such link
+                probe_ranks = nodes if hosts else world
+                probed = probe(gbps, probe_ranks) if args.probe_link and probe_ranks > 1 else None
                 log_json = work / f"{name}.json"
                 targs = ["--ds-config", str(v.path()), "--log-json", str(log_json), "--no-progress",
                          "--d-model", str(shape["d_model"]), "--layers", str(shape["layers"]),
@@ -280,7 +288,8 @@ def run(args) -> int:
                 # what this run reads: the file with every --ds-set the command passes, the block resolved
                 row["config_snapshot"] = suite.config_snapshot(
                     suite.apply_ds_set(v.load(), suite.ds_sets_of(targs)), None, parse_block)
-                cmd, env = suite.launch_command(suite.TRAIN, targs, world, rpg, cpu)
+                cmd, env = suite.launch_command(suite.TRAIN, targs, world, rpg, cpu,
+                                                gpus_per_host=gpn if hosts else None)
                 if not cpu and not share:
                     env.update(suite.TRANSPORTS[args.transport])
                 stats_dir = work / f"{name}_link"
@@ -296,7 +305,7 @@ def run(args) -> int:
                 m = probed
                 if m is not None:
                     row["link_probe"] = True
-                elif args.probe_link and world > 1:
+                elif args.probe_link and probe_ranks > 1:
                     # the probe failed or was skipped: said on the row, and no other run's rate stands in for it
                     row.update(link_probe=False, link_probe_reason="this run's link probe gave no all-gather rate "
                                                                    "(see its rows in OUT/linkrate.json)")

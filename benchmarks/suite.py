@@ -48,12 +48,17 @@ MODELS: Dict[str, Dict[str, int]] = {
     "tiny": {"d_model": 64, "layers": 2, "heads": 4},       # CPU runs and tests
 }
 
-# NCCL settings of a single multi-GPU host (e2e --transport); share-GPU mode is always sockets.
+# NCCL settings of a single multi-GPU host (e2e --transport); share-GPU mode is always sockets.  "nodes": each
+# logical node of the topology (its GPUs) is its own NCCL host (share_gpu.py's SDP4BIT_GPUS_PER_HOST): NVLink
+# inside a node, sockets (NCCL's network transport, shaped by the link knob) between nodes.
 TRANSPORTS: Dict[str, Dict[str, str]] = {
     "nvlink": {},
     "net": {"NCCL_P2P_DISABLE": "1"},
     "sockets": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
+    "nodes": {},
 }
+# transports whose traffic (all of it, or between nodes) goes over TCP, where the link knob acts
+TCP_TRANSPORTS = ("sockets", "nodes")
 
 
 # ------------------------------------------------------------------------------------------- topologies
@@ -388,19 +393,26 @@ def on_gpu() -> bool:
 
 
 def launch_command(script: Path, script_args: List[str], world: int, ranks_per_gpu: int,
-                   cpu: bool) -> Tuple[List[str], Dict[str, str]]:
+                   cpu: bool, gpus_per_host: Optional[int] = None) -> Tuple[List[str], Dict[str, str]]:
     """torchrun command and extra env for ``world`` ranks of ``script``.
 
     ``ranks_per_gpu`` > 1 (GPU only): the ranks share GPUs through ``share_gpu.py``, which gives every rank
     its own NCCL host id and one visible GPU before torch is imported (see that file).
+    ``gpus_per_host`` (GPU only, one rank per GPU): the same wrapper makes every ``gpus_per_host`` consecutive
+    ranks one NCCL host that sees its own GPUs (NVLink inside, sockets between hosts).
     """
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     env: Dict[str, str] = {"PYTHONUNBUFFERED": "1"}
     if cpu:
         env["DS_ACCELERATOR"] = "cpu"
         return launch + [str(script)] + script_args, env
+    if ranks_per_gpu > 1 and gpus_per_host is not None:
+        raise ValueError("launch_command: ranks sharing a GPU and hosts of several GPUs exclude each other")
     if ranks_per_gpu > 1:
         env["SDP4BIT_RANKS_PER_GPU"] = str(ranks_per_gpu)
+        return launch + [str(SHARE_GPU), str(script)] + script_args, env
+    if gpus_per_host is not None:
+        env["SDP4BIT_GPUS_PER_HOST"] = str(gpus_per_host)
         return launch + [str(SHARE_GPU), str(script)] + script_args, env
     return launch + [str(script)] + script_args, env
 

@@ -41,6 +41,43 @@ def test_topology_and_variants():
         suite.Variant.parse("zero4")
 
 
+def test_logical_hosts():
+    """share_gpu.py's two ways of making one machine look like several to NCCL (and to DeepSpeed)."""
+    from benchmarks.share_gpu import rank_env
+
+    # several ranks on one GPU: every rank its own host, one visible GPU, DeepSpeed sees one GPU per node
+    assert rank_env(3, 4, None, None) == {"NCCL_HOSTID": "fakehost3", "CUDA_VISIBLE_DEVICES": "0",
+                                          "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "LOCAL_SIZE": "1"}
+    assert rank_env(5, 2, None, "4,5,6,7")["CUDA_VISIBLE_DEVICES"] == "6"
+    # --transport nodes: hosts of 2 GPUs, one rank per GPU; ranks of one node share a host id (NVLink) and see
+    # their node's GPUs, so DeepSpeed counts 2 GPUs per node and the local rank picks the GPU
+    e = rank_env(3, 1, 2, "4,5,6,7")
+    assert e == {"NCCL_HOSTID": "fakenode1", "CUDA_VISIBLE_DEVICES": "6,7", "LOCAL_RANK": "1",
+                 "LOCAL_WORLD_SIZE": "2", "LOCAL_SIZE": "2"}
+    assert rank_env(2, 1, 2, None)["NCCL_HOSTID"] == rank_env(3, 1, 2, None)["NCCL_HOSTID"] != \
+        rank_env(1, 1, 2, None)["NCCL_HOSTID"]
+    assert rank_env(2, 1, 1, "0,1,2,3")["CUDA_VISIBLE_DEVICES"] == "2"      # 4x1: every GPU its own host
+    with pytest.raises(ValueError, match="only 4 visible"):
+        rank_env(4, 1, 2, "0,1,2,3")
+    with pytest.raises(ValueError, match="exclude"):
+        rank_env(0, 2, 2, None)
+    with pytest.raises(ValueError, match="GPUS_PER_HOST must be >= 1"):
+        rank_env(0, 1, 0, None)
+    cmd, env = suite.launch_command(suite.TRAIN, ["--x"], 4, 1, False, gpus_per_host=2)
+    assert env["SDP4BIT_GPUS_PER_HOST"] == "2" and str(suite.SHARE_GPU) in cmd
+    cmd, env = suite.launch_command(suite.TRAIN, ["--x"], 4, 1, False)
+    assert "SDP4BIT_GPUS_PER_HOST" not in env and str(suite.SHARE_GPU) not in cmd
+    with pytest.raises(ValueError, match="exclude"):
+        suite.launch_command(suite.TRAIN, [], 4, 2, False, gpus_per_host=2)
+    # the wrapper refuses a bad setting before the script runs
+    proc = subprocess.run([sys.executable, str(suite.SHARE_GPU), "-c"], capture_output=True, text=True,
+                          env=dict(os.environ, LOCAL_RANK="5", SDP4BIT_GPUS_PER_HOST="2", CUDA_VISIBLE_DEVICES="0,1"))
+    assert proc.returncode != 0 and "only 2 visible" in proc.stderr
+    from benchmarks.__main__ import main
+    with pytest.raises(SystemExit, match="one rank per GPU"):
+        main(["e2e", "--transport", "nodes", "--share-gpu", "--out", "/nonexistent"])
+
+
 def test_e2e_and_report_on_cpu(tmp_path):
     out = tmp_path / "out"
     # three calls merging into one throughput.json; later ones find the world-1 bound in the first's rows
