@@ -12,7 +12,12 @@ Bytes on the wire (per rank per step): SDP4Bit's own collectives as counted by `
 DeepSpeed's traffic by formula over the parameter count P and world W (persistent small parameters, padding and
 ZeRO++ scales ignored): ZeRO-3 bf16 all-gather in forward and in backward, 2 x 2P(W-1)/W, and reduce-scatter
 2P(W-1)/W; ZeRO++ (hpZ 1) int8 gathers 2 x P(W-1)/W and 4-bit qgZ P(W-1)/(2W); SDP4Bit replica node: bf16
-gathers inside the node 2 x 2P(g-1)/g; replica full: none.
+gathers inside the node 2 x 2P(g-1)/g; replica full: none.  The formula is an upper bound for DeepSpeed's
+traffic: ZeRO-3 (and ZeRO++) gather a parameter again in backward only when they released it after forward, which
+they do not while its next use lies within ``stage3_max_reuse_distance`` (1e9 elements by default) or was already
+prefetched.  So every run also counts what each rank really sent (train_gpt.py ``--count-wire-bytes``,
+examples/wire_count.py): ``wire_counted_per_step`` by collective and group, ``wire_counted_total`` and
+``wire_counted_inter`` (groups that span NCCL hosts, i.e. what crosses the inter-node link).
 
 Under the bandwidth knob (``--link-gbps R [R ...]``, benchmarks/link.py: an LD_PRELOAD limit of each rank's TCP
 egress; share-GPU mode, ``--transport sockets`` / ``nodes`` or CPU) every config runs once per rate; rows carry
@@ -277,7 +282,8 @@ def run(args) -> int:
                          "--heads", str(shape["heads"]), "--seq", str(args.seq),
                          "--micro-batch", str(args.micro_batch), "--steps", str(steps), "--random-tokens",
                          "--eval-every", "0", "--eval-batches", "0", "--torch-adam", "yes",
-                         "--log-flush", "1"]  # a config killed at its timeout keeps the steps it timed
+                         "--log-flush", "1",  # a config killed at its timeout keeps the steps it timed
+                         "--count-wire-bytes"]  # bytes each rank sent, counted per step (wire_counted_*)
                 for kv in ds_set:
                     targs += ["--ds-set", kv]
                 if model == "tiny":  # every parameter of d64 is below ZeRO-3's persistence threshold
@@ -366,4 +372,20 @@ def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: i
     out["wire_bytes_per_step"] = _wire_bytes(v, meta["n_params"], world, gpn, last)
     out["wire_bytes_total"] = sum(out["wire_bytes_per_step"].values())
     out["wire_bytes_source"] = "sdp4bit_* levels: engine.sdp4bit_summary() of the last step; others: formula"
+    out.update(_counted(timed))
     return out
+
+
+def _counted(timed: List[dict]) -> dict:
+    """The counter's bytes (examples/wire_count.py, rank 0) of the timed step with the median total:
+    ``wire_counted_per_step`` by ``op@group:intra|inter``, ``wire_counted_total``, ``wire_counted_inter`` (groups
+    spanning NCCL hosts: what crosses the inter-node link, every byte in share-GPU mode)."""
+    steps = [r["wire_counted"] for r in timed if isinstance(r.get("wire_counted"), dict)]
+    if not steps or len(steps) != len(timed):
+        return {}
+    med = sorted(steps, key=lambda d: sum(d.values()))[(len(steps) - 1) // 2]
+    return {"wire_counted_per_step": {k: int(v) for k, v in sorted(med.items())},
+            "wire_counted_total": int(sum(med.values())),
+            "wire_counted_inter": int(sum(v for k, v in med.items() if k.endswith(":inter"))),
+            "wire_counted_source": "examples/wire_count.py: torch.distributed collectives of rank 0, the timed "
+                                   "step with the median total"}

@@ -44,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,16 +91,81 @@ class Point:
     model: str
     topology: str
     C: float            # ms: compute (bound_ms)
-    bytes: float        # per rank per step
+    bytes: float        # per rank per step, over the shaped link
     gbps: float         # link rate of the point
     rate_source: str    # "measured" / "requested"
     ms: float           # measured step time (0 for synthetic curves)
     row_id: str = ""
     link_gbps: Optional[float] = None  # requested (None: unshaped)
+    bytes_source: str = "formula"      # "counted" (examples/wire_count.py) / "formula" / "formula, ..."
 
     @property
     def X(self) -> float:  # ms to send the bytes at the rate
         return self.bytes * 8 / (self.gbps * 1e9) * 1e3
+
+
+SHARE = "share"   # the family of share-GPU rows (and rows without a mode: every byte over the rank's TCP link)
+
+
+def family(row: dict) -> str:
+    """Which fit a row may join: the row's mode where it is a multi-GPU host's, one rank per GPU (``"N GPUs, ..."``,
+    e.g. ``"4 GPUs, nodes"``:
+    NVLink inside a logical node, shaped sockets between; only what crosses nodes is on the link), else ``"share"``
+    (ranks sharing a GPU, world size 1, CPU, or no mode recorded: every byte of every level over the rank's
+    shaped TCP link, compute serialized).  Fits never mix families: compute and bytes on the link mean different
+    things in each."""
+    m = str(row.get("mode") or "")
+    return m if re.match(r"\d+ GPUs, ", m) else SHARE
+
+
+def ds_gathers(model: str, counts: Sequence[dict]) -> Optional[float]:
+    """How many times per step ZeRO-3 gathers the model (1 = forward only; 2 = again in backward, the formula's
+    assumption), from a counted row of ``model`` (``wire_counts.json``: train_gpt ``--count-wire-bytes``): the
+    all-gather volume over the bf16 parameter bytes; None without such a row."""
+    for r in counts:
+        if r.get("model") != model or r.get("config") != "zero3" or not r.get("wire_counted_per_step") \
+                or not r.get("n_params"):
+            continue
+        vol = 0.0
+        for k, b in r["wire_counted_per_step"].items():
+            op, _, rest = k.partition("@")
+            g = int(rest.split(":")[0])
+            if op == "all_gather_into_tensor" and g > 1:
+                vol += b * g / (g - 1)   # the gathered tensor's bytes (this rank sent (g - 1)/g of them)
+        return vol / (2 * r["n_params"])
+    return None
+
+
+def link_bytes(r: dict, counts: Sequence[dict]) -> Tuple[Optional[float], str]:
+    """Bytes one rank sends per step over the link the knob shapes, and where the number comes from (ZeRO++'s
+    int8 gathers are taken as often as ZeRO-3's: the same coordinator decides when a parameter is released).
+
+    Counted (the row's ``wire_counted_inter``: collectives whose group spans NCCL hosts) where the run counted;
+    else, in share-GPU mode, the row's ``wire_bytes_total`` with DeepSpeed's gathers taken as often as
+    ``ds_gathers`` counted them for the model (the formula assumes two per step; without a count the row's bytes
+    are unknown: None).  In ``--transport nodes`` rows without a count: SDP4Bit's inter level (its intra level and
+    a node replica's gathers stay on NVLink) and DeepSpeed's gathers and reduce-scatters over the world (a ring
+    runs at its slowest hop, which crosses nodes); ZeRO++ with hpZ > 1 has no such formula here (None).
+    """
+    if r.get("wire_counted_inter") is not None:
+        return float(r["wire_counted_inter"]), "counted"
+    w = r.get("wire_bytes_per_step") or {}
+    if not w:   # a row with a total only (no levels to tell apart)
+        return r.get("wire_bytes_total"), "the row's wire_bytes_total"
+    n = ds_gathers(r.get("model"), counts)
+    ds = {k: v for k, v in w.items() if not k.startswith("sdp4bit_")}
+    gathers = {k: v for k, v in ds.items() if "allgather" in k}
+    if gathers and n is None:
+        return None, f"DeepSpeed's gathers not counted for {r.get('model')} (the formula's two per step is an upper bound)"
+    scaled = {k: (v * n / 2 if k in gathers else v) for k, v in ds.items()}
+    src = ("formula" + (f", DeepSpeed's gathers x {n:.2f} per step as counted" if gathers else "")) if ds \
+        else "engine.sdp4bit_summary()"
+    if family(r) == SHARE:
+        return sum(v for k, v in w.items() if k.startswith("sdp4bit_")) + sum(scaled.values()), src
+    if r.get("config") == "zeropp" and (r.get("gpus_per_node") or 1) > 1:
+        return None, "ZeRO++ with hpZ across logical nodes: no formula for what crosses them (not counted)"
+    inter = sum(v for k, v in w.items() if k.startswith("sdp4bit_") and k.endswith("_inter"))
+    return inter + sum(v for k, v in scaled.items() if k.endswith("_world")), src + ", what crosses nodes"
 
 
 def rate_of(r: dict, link_rows: Sequence[dict]) -> Tuple[Optional[float], str]:
@@ -123,35 +189,49 @@ def rate_of(r: dict, link_rows: Sequence[dict]) -> Tuple[Optional[float], str]:
     return gbps, src
 
 
-def points(rows: Sequence[dict], link_rows: Sequence[dict]) -> Tuple[List[Point], List[str]]:
-    """Fit points from throughput rows (ok, several ranks, a compute bound, bytes, and a known link rate)."""
+def points(rows: Sequence[dict], link_rows: Sequence[dict], fam: str = SHARE,
+           counts: Sequence[dict] = ()) -> Tuple[List[Point], List[str]]:
+    """Fit points of one family (:func:`family`) from throughput rows (ok, several ranks, a compute bound, bytes
+    on the link (:func:`link_bytes`), and a known link rate)."""
     out, skipped = [], []
     for r in rows:
         if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2 or r.get("reused_from"):
             continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again
+        if family(r) != fam:
+            continue
         if not r.get("bound_ms") or not r.get("wire_bytes_total"):
             skipped.append(f"{r.get('row_id')}: no compute bound or bytes")
             continue
         if r.get("link_delay_us"):
             skipped.append(f"{r.get('row_id')}: a delay of {r['link_delay_us']:g} us (the model has no latency term)")
             continue
+        if fam != SHARE and r.get("link_gbps") is None:
+            skipped.append(f"{r.get('row_id')}: unshaped (no knob rate: the probe's collective rate is not the rate "
+                           "every config's traffic got)")
+            continue
+        nbytes, bsrc = link_bytes(r, counts)
+        if not nbytes:
+            skipped.append(f"{r.get('row_id')}: {bsrc}")
+            continue
         gbps, src = rate_of(r, link_rows)
         if not gbps:
             skipped.append(f"{r.get('row_id')}: {src}")
             continue
-        out.append(Point(fit_key(r), r["model"], r["topology"], float(r["bound_ms"]), float(r["wire_bytes_total"]),
-                         float(gbps), src, float(r["ms_per_step"]), r.get("row_id", ""), r.get("link_gbps")))
+        out.append(Point(fit_key(r), r["model"], r["topology"], float(r["bound_ms"]), float(nbytes),
+                         float(gbps), src, float(r["ms_per_step"]), r.get("row_id", ""), r.get("link_gbps"), bsrc))
     return out, skipped
 
 
 def split(pts: Sequence[Point], how: str = "alternate") -> Tuple[List[Point], List[Point]]:
     """(fit, check).  ``alternate``: per (config, model, topology), rates in order, every other one is checked
-    (the lowest and highest are fitted when there are three or more).  ``model:NAME``: NAME's rows are checked."""
-    if how.startswith("model:"):
-        name = how.split(":", 1)[1]
-        return [p for p in pts if p.model != name], [p for p in pts if p.model == name]
+    (the lowest and highest are fitted when there are three or more).  ``model:NAME`` / ``topology:NAME``: the rows
+    of that model / topology are checked, the others fitted."""
+    for what in ("model", "topology"):
+        if how.startswith(what + ":"):
+            name = how.split(":", 1)[1]
+            return ([p for p in pts if getattr(p, what) != name], [p for p in pts if getattr(p, what) == name])
     if how != "alternate":
-        raise ValueError(f"--split must be 'alternate' or 'model:NAME', got {how!r}")
+        raise ValueError(f"--split must be 'alternate', 'model:NAME' or 'topology:NAME', got {how!r}")
     groups: Dict[tuple, List[Point]] = {}
     for p in pts:
         groups.setdefault((p.key, p.model, p.topology), []).append(p)
@@ -282,9 +362,11 @@ def repeats(rows: Sequence[dict], pts: Sequence[Point]) -> List[dict]:
     return out
 
 
-def fit_and_check(rows: Sequence[dict], link_rows: Sequence[dict], how: str = "alternate") -> Optional[dict]:
-    """Everything the report and the command line need; None when no measured row has a link rate."""
-    pts, skipped = points(rows, link_rows)
+def fit_and_check(rows: Sequence[dict], link_rows: Sequence[dict], how: str = "alternate", fam: str = SHARE,
+                  counts: Sequence[dict] = ()) -> Optional[dict]:
+    """Everything the report and the command line need, for the rows of one family (:func:`family`); None when
+    no measured row of it has a link rate."""
+    pts, skipped = points(rows, link_rows, fam, counts)
     if not pts:
         return None
     fit_pts, check_pts = split(pts, how)
@@ -295,9 +377,9 @@ def fit_and_check(rows: Sequence[dict], link_rows: Sequence[dict], how: str = "a
     fitted = check(f, fit_pts)
     errs = [abs(c["rel"]) for c in checked if c["rel"] is not None]
     every = errs + [abs(c["rel"]) for c in fitted if c["rel"] is not None]
-    return {"fit": f, "split": how, "fit_rows": fitted, "check_rows": checked, "skipped": skipped,
+    return {"fit": f, "split": how, "family": fam, "fit_rows": fitted, "check_rows": checked, "skipped": skipped,
             "max_check_error": max(errs) if errs else None, "max_error": max(every) if every else None,
-            "points": pts, "repeats": repeats(rows, pts)}
+            "points": pts, "repeats": repeats(rows, pts), "counts": list(counts)}
 
 
 # ------------------------------------------------------------------------------------------- at scale
@@ -381,6 +463,14 @@ def bytes_table(params, nodes, gpus_per_node, link_gbps, replica) -> List[str]:
 
 
 PROJECTED = ("zero3", "zeropp", "sdp4bit/full", "sdp4bit/node")  # what a projection compares
+COUNTS_FILE = "wire_counts.json"   # counted rows that say how often DeepSpeed gathers a model (ds_gathers)
+
+
+def default_split(fam: str) -> str:
+    """The split each family is checked with: share-GPU rows span several rates per cell (``alternate``); a
+    multi-GPU host's have had two knob rates per cell, where ``alternate`` checks nothing, so they are fitted on
+    2x2 and checked on 4x1, a topology the fit has not seen."""
+    return "alternate" if fam == SHARE else "topology:4x1"
 
 
 def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
@@ -461,7 +551,10 @@ def main(argv=None):
                     help="accelerator memory, for SDP4Bit's default replica choice (full if the bf16 copy fits "
                          "a quarter of it)")
     ap.add_argument("--dir", default=str(suite.ONE_GPU), help="folder with throughput.json and linkrate.json")
-    ap.add_argument("--split", default="alternate", help="alternate | model:NAME (see the module docstring)")
+    ap.add_argument("--split", default=None, help="alternate | model:NAME | topology:NAME (see the module docstring; "
+                    "default: the report's split of the family)")
+    ap.add_argument("--family", default=SHARE, help="which rows to fit: 'share' (ranks sharing a GPU) or a "
+                    "multi-GPU host's mode, e.g. '4 GPUs, nodes' (benchmarks/projection.py's family())")
     ap.add_argument("--json", default=None)
     ap.add_argument("--force", action="store_true", help="print the projection even when the fit is not validated "
                     "(a measured point off by more than 20%%, or a parameter on its range's edge)")
@@ -472,7 +565,8 @@ def main(argv=None):
     replica = choose_replica(args.gpus_per_node, int(args.params), 0.25, int(args.gpu_mem_gib * 2 ** 30))[0] or "node"
     d = Path(args.dir)
     rows, link_rows = suite.load_rows(d / "throughput.json"), suite.load_rows(d / "linkrate.json")
-    res = fit_and_check(rows, link_rows, args.split)
+    res = fit_and_check(rows, link_rows, args.split or default_split(args.family), args.family,
+                        suite.load_rows(d / COUNTS_FILE))
     out: dict = {"args": vars(args), "replica": replica}
     if res is None:
         print(f"No step-time fit: no measured row in {d} has a link rate yet (run `python -m benchmarks "
@@ -501,10 +595,12 @@ def main(argv=None):
         if w1 is None:
             raise SystemExit("projection: no measured world-1 step time to scale; pass --world1-ms")
         sdp = f"sdp4bit/{replica}"
+        how = ("A model fitted in share-GPU mode (several ranks' compute serialized on one GPU): its overlap need "
+               "not carry over to one rank per GPU." if args.family == SHARE else
+               f"A model fitted on rows of '{args.family}' (one rank per GPU of one host).")
         print(f"\nProjection for {args.params / 1e9:.2f}B parameters, {args.gpus_per_node} GPUs per node, "
               f"{args.link_gbps:g} Gb/s per node; world-1 step {w1[0]:.0f} ms ({w1[1]}); SDP4Bit's default "
-              f"replica here: {replica}. A model fitted in share-GPU mode (several ranks' compute serialized on "
-              f"one GPU): its overlap need not carry over to one rank per GPU.")
+              f"replica here: {replica}. {how}")
         print(f"{'nodes':>5} {'ZeRO-3 ms':>10} {'ZeRO++ ms':>10} {'SDP4Bit ms':>10} {'vs ZeRO-3':>9} {'vs ZeRO++':>9}"
               f"  SDP4Bit pays (vs ZeRO-3; vs ZeRO++) below")
         out["rows"] = []

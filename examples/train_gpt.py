@@ -96,6 +96,12 @@ if ON_CPU:
     # DeepSpeed picks its accelerator at first import; without this it may probe for others and warn.
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import wire_count  # noqa: E402
+
+if "--count-wire-bytes" in sys.argv:
+    # before DeepSpeed is imported: deepspeed.comm keeps the torch.distributed functions it finds at start
+    wire_count.install()
+
 import deepspeed  # noqa: E402
 
 try:
@@ -167,6 +173,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "rank (0: never); for a run split over calls of a lent machine")
     p.add_argument("--one-gpu-per-rank", action="store_true",
                    help="each rank sees only its own GPU and counts as its own node (see the code)")
+    p.add_argument("--count-wire-bytes", action="store_true",
+                   help="count the bytes this rank sends through torch.distributed collectives, per step "
+                        "(examples/wire_count.py; every step's record gets wire_counted)")
     p.add_argument("--allow-no-sdp4bit-evidence", action="store_true",
                    help="run even when an sdp4bit config shows no sign of the integration after initialize")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -501,6 +510,10 @@ def main(argv=None) -> dict:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         _sync()
+        if args.count_wire_bytes and not wire_count.installed():
+            raise SystemExit("train_gpt.py: --count-wire-bytes must be on the command line (the counter is "
+                             "installed before DeepSpeed is imported)")
+        sent0 = wire_count.snapshot() if args.count_wire_bytes else None
         t0 = time.perf_counter()
         # [summed loss, ranks past --stop-at-time]: one all-reduce per step carries both, so every rank stops at
         # the same step
@@ -524,6 +537,8 @@ def main(argv=None) -> dict:
                "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": _peak_mem_bytes()}
         gn = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
         rec["grad_norm"] = float(gn) if gn is not None else None
+        if sent0 is not None:   # bytes this rank sent in the step, by "<op>@<group size>"
+            rec["wire_counted"] = wire_count.delta(wire_count.snapshot(), sent0)
         if summary_fn is not None:
             rec["sdp4bit"] = _jsonable(summary_fn())
         if not math.isfinite(mean_loss):

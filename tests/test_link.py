@@ -480,3 +480,84 @@ def test_a_config_fitted_on_too_few_rows_does_not_validate():
     assert projection.validated(res, ("zero3", "sdp4bit/full"))
     assert not projection.validated(res, ("zero3", "zeropp", "sdp4bit/full"))
     assert any(p.startswith("zeropp: ") and "3 needed" in p for p in projection.problems(res, ("zeropp",)))
+
+
+def test_bytes_on_the_link_per_mode_and_the_nodes_fit():
+    """What a row puts on the shaped link: counted where it counted; else SDP4Bit's own bytes and DeepSpeed's
+    formula with its gathers as often as a count of the model says; in --transport nodes only what crosses nodes.
+    Fits never mix modes, and a nodes fit is fitted on 2x2 and checked on 4x1."""
+    P = 1e8
+    counts = [{"model": "406M", "config": "zero3", "n_params": P, "wire_counted_per_step": {
+        "all_gather_into_tensor@2:intra": 2 * P / 2, "reduce_scatter_tensor@2:intra": 2 * P / 2}}]
+    assert projection.ds_gathers("406M", counts) == pytest.approx(1.0)
+    assert projection.ds_gathers("1.3B", counts) is None
+    z3 = {"model": "406M", "config": "zero3", "mode": "share-GPU sockets", "gpus_per_node": 2,
+          "wire_bytes_per_step": {"ds_bf16_allgather_world": 3e8, "ds_bf16_reduce_scatter_world": 1.5e8}}
+    assert projection.family(z3) == projection.SHARE and projection.family({}) == projection.SHARE
+    # the formula's two gathers become the one counted
+    b, src = projection.link_bytes(z3, counts)
+    assert b == pytest.approx(3e8) and "x 1.00" in src
+    assert projection.link_bytes(z3, [])[0] is None                       # not counted: unknown, not the formula
+    assert projection.link_bytes(dict(z3, wire_counted_inter=7e7), [])[0] == 7e7   # counted wins
+    nodes = dict(z3, mode="4 GPUs, nodes")
+    assert projection.family(nodes) == "4 GPUs, nodes"
+    assert projection.link_bytes(nodes, counts)[0] == pytest.approx(3e8)   # a world ring runs at its slowest hop
+    sdp = {"model": "406M", "config": "sdp4bit", "mode": "4 GPUs, nodes", "gpus_per_node": 2, "wire_bytes_per_step": {
+        "sdp4bit_gradients_intra": 5e7, "sdp4bit_gradients_inter": 1e7, "sdp4bit_weights_intra": 4e7,
+        "sdp4bit_weights_inter": 2e7}}
+    assert projection.link_bytes(sdp, [])[0] == pytest.approx(3e7)          # the intra level stays on NVLink
+    assert projection.link_bytes(dict(sdp, mode="share-GPU sockets"), [])[0] == pytest.approx(1.2e8)
+    zpp = dict(nodes, config="zeropp", wire_bytes_per_step={"zeropp_int8_allgather_world": 1e8})
+    assert projection.link_bytes(zpp, counts)[0] is None                 # hpZ across logical nodes: no formula
+    # nodes rows: knob rows only, fitted on 2x2, checked on 4x1; share rows stay out of that fit
+    rows, link_rows = [], []
+    C, e = 300.0, 1.0
+    for topo, fb in (("2x2", 1.0), ("4x1", 3.0)):
+        for cfg, nb, c, phi in (("zero3", 3e8 * 1.5, 1.0, 0.5), ("sdp4bit", 3e7 * fb, 1.2, 0.2)):
+            for g in (1.0, 2.0, 5.0):
+                X = nb * 8 / (g * 1e9) * 1e3
+                rows.append({"row_id": f"n/{topo}_{cfg}_{g}", "run_id": f"n{g}", "status": "ok", "config": cfg,
+                             "variant": cfg, "replica": "full" if cfg == "sdp4bit" else None, "model": "406M",
+                             "topology": topo, "ranks": 4, "gpus_per_node": int(topo[-1]), "bound_ms": C,
+                             "ms_per_step": float(projection.step_ms(C, X, c, phi, e)), "link_gbps": g,
+                             "link_measured_gbps": g, "link_probe": True, "mode": "4 GPUs, nodes",
+                             "wire_bytes_total": 1.0, "wire_bytes_per_step": (
+                                 {"ds_bf16_allgather_world": 6e8, "ds_bf16_reduce_scatter_world": 1.5e8}
+                                 if cfg == "zero3" else {"sdp4bit_gradients_inter": nb / 2,
+                                                         "sdp4bit_weights_inter": nb / 2,
+                                                         "sdp4bit_gradients_intra": 1e9})})
+    off = dict(rows[0], row_id="n/off", link_gbps=None, ms_per_step=1.0)   # unshaped: no rate of its own
+    share = dict(rows[0], row_id="s/x", mode="share-GPU sockets", ms_per_step=1.0)
+    split = projection.default_split("4 GPUs, nodes")
+    res = projection.fit_and_check(rows + [off, share], link_rows, split, "4 GPUs, nodes", counts)
+    assert split == "topology:4x1" and {c["topology"] for c in res["check_rows"]} == {"4x1"}
+    assert {p.row_id for p in res["points"]} == {r["row_id"] for r in rows}
+    assert any(s.startswith("n/off: unshaped") for s in res["skipped"])
+    assert res["max_error"] < 0.01 and abs(res["fit"].e - e) < 0.02
+    assert projection.default_split(projection.SHARE) == "alternate"
+    with pytest.raises(ValueError, match="topology:NAME"):
+        projection.split(res["points"], "rate:5")
+
+
+def test_host_table_and_goals():
+    """Rows of a multi-GPU host get their own table and goal rows, and stay out of the one-GPU headline."""
+    base = {"status": "ok", "model": "406M", "ranks": 4, "machine": "NVIDIA H200", "ms_min": 1.0, "ms_max": 1.0,
+            "default": True, "timed_steps": 4, "commit": "c"}
+    rows = []
+    for cfg, ms in (("sdp4bit", 600.0), ("zero3", 4300.0), ("zeropp", 1400.0)):
+        rows.append(dict(base, row_id=f"a/{cfg}", run_id="a", config=cfg, variant=cfg, topology="2x2",
+                         mode="4 GPUs, nodes", ms_per_step=ms, link_gbps=2.0, default=cfg == "sdp4bit",
+                         ms_min=ms, ms_max=ms))
+    for cfg, ms, lo, hi in (("sdp4bit", 300.0, 290.0, 310.0), ("zero3", 255.0, 250.0, 295.0)):
+        rows.append(dict(base, row_id=f"b/{cfg}", run_id="b", config=cfg, variant=cfg, topology="1x4",
+                         mode="4 GPUs, nvlink", ms_per_step=ms, ms_min=lo, ms_max=hi, default=cfg == "sdp4bit"))
+    today = report.today_default()
+    t = report.host_table(rows)
+    assert "| 406M | 2x2 | 4 GPUs, nodes | 2, defaultxdefault sockets |" in t and "| 7.17x | 2.33x |" in t
+    assert "| 406M | 1x4 | 4 GPUs, nvlink | off |" in t
+    m, v = report._host_speed_goal(rows, today)
+    assert "7.17x / 2.33x" in m and v == "not met"       # 6x over ZeRO-3, not over ZeRO++
+    m, v = report._one_node_goal(rows, today)
+    assert "406M 1x4" in m and "+17.65%" in m and v == "not resolved"   # the ranges overlap
+    assert report.one_gpu(rows) == [] and report.default_rows(rows, "406M", "2x2", today) == []
+    assert report._slug("4 GPUs, nodes") == "4gpus_nodes"

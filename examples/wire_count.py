@@ -1,0 +1,186 @@
+"""Count the bytes each rank sends through ``torch.distributed`` collectives, whoever issues them.
+
+DeepSpeed (ZeRO-3 gathers and reduce-scatters, ZeRO++'s quantized ones, persistent-parameter all-reduces) and
+SDP4Bit's collectives all go through the ``torch.distributed`` functions patched here, so one counter measures
+every config alike, where a formula would have to know, for instance, whether ZeRO-3 gathers a parameter again
+in backward (it does not while the parameter's next use lies within ``stage3_max_reuse_distance`` elements).
+
+:func:`install` must run before DeepSpeed is imported (``deepspeed.comm`` keeps references to the functions it
+finds when it starts).  Bytes a rank sends per call, for a group of ``g`` ranks (what a ring or pairwise
+exchange sends; NCCL's tree and in-network algorithms differ, the data volume does not):
+
+=================================  =======================================
+all_gather_into_tensor(out, in)    ``in.nbytes * (g - 1)`` (also all_gather_single)
+all_gather(list, t)                ``t.nbytes * (g - 1)``
+reduce_scatter_tensor(out, in)     ``in.nbytes * (g - 1) / g``
+reduce_scatter(out, list)          ``sum(list nbytes) * (g - 1) / g``
+all_to_all_single(out, in, ...)    ``in.nbytes`` less the rank's own split
+all_to_all(outs, ins)              ``sum(ins nbytes)`` less the rank's own
+all_reduce(t), all_reduce_coalesced  ``2 * nbytes * (g - 1) / g``
+broadcast(t), reduce(t)            ``t.nbytes`` (the pipelined chain's per-rank share)
+=================================  =======================================
+
+Counts are per rank, by ``"<op>@<group size>:<intra|inter>"``: ``inter`` where the group spans several nodes
+(node = global rank // ``LOCAL_WORLD_SIZE``, as torchrun and ``benchmarks/share_gpu.py`` set it), so its ring or
+exchange crosses the inter-node link; :func:`snapshot` returns the running totals (a step's bytes are the
+difference of two snapshots).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, Dict, Optional
+
+_COUNTS: Dict[str, float] = {}
+_ORIG: Dict[str, Callable] = {}
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size(group) -> int:
+    import torch.distributed as dist
+    return dist.get_world_size(group) if group is not None else dist.get_world_size()
+
+
+_SPANS: Dict[object, bool] = {}
+
+
+def _spans_nodes(group) -> bool:
+    """Whether the group's ranks sit on more than one node (cached per group)."""
+    import torch.distributed as dist
+    if group not in _SPANS:
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+        per = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        _SPANS[group] = len({r // per for r in ranks}) > 1
+    return _SPANS[group]
+
+
+def _a2a_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **_):
+    g = _group_size(group)
+    if g <= 1:
+        return 0
+    if input_split_sizes:
+        import torch.distributed as dist
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
+        row = _nbytes(input) // max(1, input.shape[0]) if input.dim() else input.element_size()
+        return (_nbytes(input) - input_split_sizes[me] * row), g
+    return _nbytes(input) * (g - 1) / g, g
+
+
+def _group_arg(name: str, args, kwargs):
+    """The ``group`` a call was given (None: the world)."""
+    if "group" in kwargs:
+        return kwargs["group"]
+    pos = {"all_gather_into_tensor": 2, "_all_gather_base": 2, "all_gather_single": 2, "all_gather": 2, "reduce_scatter_tensor": 3,
+           "_reduce_scatter_base": 3, "reduce_scatter": 3, "all_to_all_single": 4, "all_to_all": 2,
+           "all_reduce": 2, "all_reduce_coalesced": 2, "broadcast": 2, "reduce": 3}[name]
+    return args[pos] if len(args) > pos else None
+
+
+def _sent(name: str, args, kwargs):
+    """(bytes this rank sends, group size) of one call, or None where nothing crosses a link."""
+    def arg(i, key):
+        return kwargs[key] if key in kwargs else (args[i] if len(args) > i else None)
+
+    group = kwargs.get("group")
+    if name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
+        inp = arg(1, "input_tensor")
+        group = group if "group" in kwargs else arg(2, "group")
+        g = _group_size(group)
+        return _nbytes(inp) * (g - 1), g
+    if name == "all_gather":
+        t = arg(1, "tensor")
+        group = group if "group" in kwargs else arg(2, "group")
+        g = _group_size(group)
+        return _nbytes(t) * (g - 1), g
+    if name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+        inp = arg(1, "input")
+        group = group if "group" in kwargs else arg(3, "group")
+        g = _group_size(group)
+        return _nbytes(inp) * (g - 1) / g, g
+    if name == "reduce_scatter":
+        lst = arg(1, "input_list")
+        group = group if "group" in kwargs else arg(3, "group")
+        g = _group_size(group)
+        return sum(_nbytes(t) for t in lst) * (g - 1) / g, g
+    if name == "all_to_all_single":
+        names = ("output", "input", "output_split_sizes", "input_split_sizes", "group")
+        full = dict(zip(names, args))
+        full.update(kwargs)
+        r = _a2a_single(**full)
+        return r or None
+    if name == "all_to_all":
+        ins = arg(1, "input_tensor_list")
+        group = group if "group" in kwargs else arg(2, "group")
+        g = _group_size(group)
+        import torch.distributed as dist
+        me = dist.get_rank(group) if group is not None else dist.get_rank()
+        return sum(_nbytes(t) for i, t in enumerate(ins) if i != me), g
+    if name in ("all_reduce", "all_reduce_coalesced"):
+        t = arg(0, "tensor" if name == "all_reduce" else "tensors")
+        group = group if "group" in kwargs else arg(2, "group")
+        g = _group_size(group)
+        n = sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else _nbytes(t)
+        return 2 * n * (g - 1) / g, g
+    if name in ("broadcast", "reduce"):
+        t = arg(0, "tensor")
+        group = group if "group" in kwargs else arg(3 if name == "reduce" else 2, "group")
+        g = _group_size(group)
+        return _nbytes(t), g
+    return None
+
+
+_OPS = ("all_gather_into_tensor", "_all_gather_base", "all_gather_single", "all_gather", "reduce_scatter_tensor", "_reduce_scatter_base",
+        "reduce_scatter", "all_to_all_single", "all_to_all", "all_reduce", "all_reduce_coalesced", "broadcast",
+        "reduce")
+
+
+def install() -> None:
+    """Patch the collectives of ``torch.distributed`` (and of ``distributed_c10d``, where DeepSpeed's coalesced
+    gathers look them up) to count; idempotent."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if _ORIG:
+        return
+    for name in _OPS:
+        orig = getattr(c10d, name, None) or getattr(dist, name, None)
+        if orig is None:
+            continue
+        _ORIG[name] = orig
+
+        @functools.wraps(orig)
+        def counted(*args, __name=name, __orig=orig, **kwargs):
+            try:
+                r = _sent(__name, args, kwargs)
+            except Exception as e:  # noqa: BLE001 - a count that cannot be made must not pass as zero
+                raise RuntimeError(f"wire_count: cannot count {__name}: {type(e).__name__}: {e}") from e
+            if r is not None:
+                b, g = r
+                if g > 1 and b:
+                    span = "inter" if _spans_nodes(_group_arg(__name, args, kwargs)) else "intra"
+                    key = f"{__name.lstrip('_')}@{g}:{span}"
+                    _COUNTS[key] = _COUNTS.get(key, 0.0) + float(b)
+            return __orig(*args, **kwargs)
+
+        for mod in (dist, c10d):
+            if getattr(mod, name, None) is orig:
+                setattr(mod, name, counted)
+
+
+def installed() -> bool:
+    return bool(_ORIG)
+
+
+def snapshot() -> Dict[str, float]:
+    """Running totals (bytes this rank sent) by ``"<op>@<group size>:<intra|inter>"``."""
+    return dict(_COUNTS)
+
+
+def delta(after: Dict[str, float], before: Optional[Dict[str, float]]) -> Dict[str, float]:
+    """``after - before`` per key (keys with nothing sent in between left out)."""
+    before = before or {}
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}
