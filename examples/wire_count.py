@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from typing import Callable, Dict, Optional
 
 _COUNTS: Dict[str, float] = {}
 _ORIG: Dict[str, Callable] = {}
+_INSIDE = threading.local()   # a counted call made by another one (torch's deprecated names call the new ones)
 
 
 def _nbytes(t) -> int:
@@ -154,6 +156,8 @@ def install() -> None:
 
         @functools.wraps(orig)
         def counted(*args, __name=name, __orig=orig, **kwargs):
+            if getattr(_INSIDE, "depth", 0):   # the outer call counted these bytes already
+                return __orig(*args, **kwargs)
             try:
                 r = _sent(__name, args, kwargs)
             except Exception as e:  # noqa: BLE001 - a count that cannot be made must not pass as zero
@@ -164,7 +168,11 @@ def install() -> None:
                     span = "inter" if _spans_nodes(_group_arg(__name, args, kwargs)) else "intra"
                     key = f"{__name.lstrip('_')}@{g}:{span}"
                     _COUNTS[key] = _COUNTS.get(key, 0.0) + float(b)
-            return __orig(*args, **kwargs)
+            _INSIDE.depth = 1
+            try:
+                return __orig(*args, **kwargs)
+            finally:
+                _INSIDE.depth = 0
 
         for mod in (dist, c10d):
             if getattr(mod, name, None) is orig:

@@ -143,6 +143,9 @@ def test_e2e_and_report_on_cpu(tmp_path):
     assert zc["wire_counted_per_step"]["reduce_scatter_tensor@2:intra"] == pytest.approx(rs, rel=0.02)
     assert zc["wire_counted_per_step"]["all_gather_into_tensor@2:intra"] == pytest.approx(rs, rel=0.02)
     assert zc["wire_counted_inter"] == 0   # gloo ranks of one host: LOCAL_WORLD_SIZE spans them all
+    # one count per call: torch's all_gather_into_tensor calls all_gather_single, which must not count again
+    assert set(zc["wire_counted_per_step"]) <= {"all_gather_into_tensor@2:intra", "reduce_scatter_tensor@2:intra",
+                                               "all_reduce@2:intra", "broadcast@2:intra"}
     assert projection.ds_gathers("tiny", [zc]) == pytest.approx(1.0, abs=0.02)
     fc = by[("2x1", "sdp4bit:full")]["wire_counted_per_step"]   # SDP4Bit's own collectives are counted too
     sdp = by[("2x1", "sdp4bit:full")]["wire_bytes_per_step"]   # what engine.sdp4bit_summary() counted itself
