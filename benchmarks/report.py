@@ -679,6 +679,7 @@ def rate_png(rows: Sequence[dict], res: dict, png: Path) -> bool:
                     fontsize=7, va="top")
         ax.axhline(1.0, color="k", linewidth=0.8)
         ax.set_xscale("log")
+        ax.set_xlim(lo, hi)   # both panels over the same rates (a panel without a curve would shrink to its points)
         ax.set_xlabel("link rate per rank, Gb/s (measured in the run, else by linkrate)")
         ax.set_ylabel(f"SDP4Bit speed-up vs {base} (step time ratio)")
         ax.grid(alpha=0.3, which="both")
