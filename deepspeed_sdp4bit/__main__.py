@@ -316,6 +316,10 @@ def format_plan(p: Dict[str, Any]) -> str:
             ratio = s["totals"]["total"] / o["totals"]["total"] if o["totals"]["total"] else float("nan")
             link = (f"; across each node's link {s['node_link'] / o['node_link']:.3f}x" if o["node_link"] else "")
             lines.append(f"  sdp4bit sends {ratio:.3f}x the bytes of {other} per GPU{link}")
+        lines.append("  (ZeRO-3's and ZeRO++'s backward all-gathers are an upper bound: DeepSpeed skips them for "
+                     "parameters it keeps from forward, those whose next use lies within "
+                     "stage3_max_reuse_distance, 1e9 elements by default; counted, a 406M GPT was gathered once "
+                     "per step, benchmarks/results/one_gpu/wire_counts.json)")
     return "\n".join(lines)
 
 

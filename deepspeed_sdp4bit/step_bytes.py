@@ -8,7 +8,10 @@ check against the bytes the collectives really send: :func:`collectives.gradient
 * ``params`` values, bf16 weights and gradients, DeepSpeed's even split (``ceil(params / W)`` per rank, one
   flat tensor: per-tensor padding and bucketing are ignored), data parallelism only, ``accum`` micro-steps
   per optimizer step (every micro-step gathers the weights twice and reduce-scatters the gradients; the
-  weight refresh runs once per step).
+  weight refresh runs once per step).  For ZeRO-3 and ZeRO++ the backward gather is an upper bound: DeepSpeed
+  keeps a parameter from forward to backward when its next use lies within ``stage3_max_reuse_distance`` (1e9
+  elements by default) or was prefetched, and then sends nothing; counted (``examples/wire_count.py``), a 406M
+  GPT is gathered once per step (``benchmarks/results/one_gpu/wire_counts.json``).
 * Flat collectives over the world (level ``world``) are rings: each GPU sends ``(W - 1)`` chunks.
 * ZeRO++ (DeepSpeed's qwZ + hpZ + qgZ): int8 forward all-gather over the world with one fp32 scale per 2048
   values, backward all-gather of the bf16 hpZ secondary partition inside the node, 4-bit gradients through
