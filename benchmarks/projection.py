@@ -483,8 +483,8 @@ def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
         out.append(f"a measured point is off by more than {100 * GOAL:.0f}%")
     if res["fit"].at_bound:
         out.append("a parameter lies on its range's edge")
-    checked = {c["key"] for c in res["check_rows"]}
-    for k in keys:
+    checked = {c["key"] for c in res["check_rows"] if c["rel"] is not None}   # a config the fit has no
+    for k in keys:                                                             # parameters for is not checked
         n = res["fit"].n_fit.get(k, 0)
         why = ([f"{n} fitted row(s), 3 needed"] if n < 3 else []) + (["no checked row"] if k not in checked else [])
         if why:
@@ -505,17 +505,22 @@ def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
         lines.append("check: no rows left to check (all were used for the fit)")
     else:
         ok = "within" if res["max_check_error"] <= GOAL else "NOT within"
-        lines.append(f"check on {len(res['check_rows'])} other rows: largest error {100 * res['max_check_error']:.1f}% "
-                     f"({ok} the {100 * GOAL:.0f}% goal)")
+        n_pred = sum(c["rel"] is not None for c in res["check_rows"])
+        lines.append(f"check on {n_pred} other rows: largest error {100 * res['max_check_error']:.1f}% "
+                     f"({ok} the {100 * GOAL:.0f}% goal)"
+                     + (f"; {len(res['check_rows']) - n_pred} more of configs without fitted rows, not predicted"
+                        if n_pred < len(res["check_rows"]) else ""))
     if res["check_rows"]:
-        checked = sorted({c["key"] for c in res["check_rows"]})
+        checked = sorted({c["key"] for c in res["check_rows"] if c["rel"] is not None})
         unchecked = sorted(set(f.c) - set(checked))
         lines.append(f"  (checked rows exist for {', '.join(checked)}"
                      + (f" only; {', '.join(unchecked)}: fitted rows only)" if unchecked else ")"))
     if res.get("max_error") is not None:
         ok = "within" if res["max_error"] <= GOAL else "NOT within"
+        unpredicted = sum(c["rel"] is None for c in res["check_rows"])
         lines.append(f"every measured point (fitted and checked): largest error {100 * res['max_error']:.1f}% "
-                     f"({ok} the {100 * GOAL:.0f}% goal)")
+                     f"({ok} the {100 * GOAL:.0f}% goal)"
+                     + (f", less the {unpredicted} not predicted" if unpredicted else ""))
     if f.at_bound:
         lines.append(f"at the edge of the search range (the best fit lies outside it: the model does not describe "
                      f"these rows): {'; '.join(f.at_bound)}")
@@ -532,9 +537,10 @@ def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
                      + f": {100 * rp['spread']:.1f}% apart; a model of the rate alone misses one of them by at "
                        f"least {100 * rp['floor']:.1f}%")
     for c in res["check_rows"]:
-        rel = "not fitted" if c["rel"] is None else f"{100 * c['rel']:+.1f}%"
+        model = "no fitted rows of this config" if c["rel"] is None else \
+            f"model {c['pred']:8.0f} ms, {100 * c['rel']:+.1f}%"
         lines.append(f"  {c['model']:5} {c['topology']:4} {c['key']:16} {c['gbps']:8.2f} Gb/s ({c['rate_source']}): "
-                     f"measured {c['ms']:8.0f} ms, model {c['pred'] or 0:8.0f} ms, {rel}")
+                     f"measured {c['ms']:8.0f} ms, {model}")
     return lines
 
 

@@ -535,6 +535,13 @@ def test_bytes_on_the_link_per_mode_and_the_nodes_fit():
     assert any(s.startswith("n/off: unshaped") for s in res["skipped"])
     assert res["max_error"] < 0.01 and abs(res["fit"].e - e) < 0.02
     assert projection.default_split(projection.SHARE) == "alternate"
+    # a config with check rows only (no fitted rows): not predicted, and not counted as checked
+    zp = dict(rows[-1], row_id="n/zp", config="zeropp", variant="zeropp", replica=None, gpus_per_node=1,
+              wire_bytes_per_step={"zeropp_int8_allgather_world": 1e8})
+    res = projection.fit_and_check(rows + [zp], link_rows, split, "4 GPUs, nodes", counts)
+    lines = "\n".join(projection.fit_lines(res, ("zero3", "zeropp")))
+    assert "1 more of configs without fitted rows, not predicted" in lines and "no fitted rows of this config" in lines
+    assert "zeropp: 0 fitted row(s), 3 needed, no checked row" in projection.problems(res, ("zeropp",))
     with pytest.raises(ValueError, match="topology:NAME"):
         projection.split(res["points"], "rate:5")
 
