@@ -121,12 +121,28 @@ def _wire_bytes(variant: suite.Variant, n_params: int, world: int, gpn: int, las
     return {k: int(v) for k, v in out.items()}
 
 
-def _find_bound(model: str, gpu: Optional[str], rows: List[dict]) -> Optional[dict]:
-    """The newest ok 1x1 zero3 row of ``model`` on the same GPU name among ``rows``."""
+def _find_bound(model: str, gpu: Optional[str], rows: List[dict], gpu_count: Optional[int] = None) -> Optional[dict]:
+    """The newest ok 1x1 zero3 row of ``model`` on the same GPU name among ``rows``, of a machine with the same
+    number of GPUs (``gpu_count``, the same kind of machine) where one exists."""
     cands = [r for r in rows if r.get("config") == "zero3" and r.get("topology") == "1x1"
              and r.get("model") == model and r.get("status") == "ok" and r.get("gpu") == gpu
              and r.get("ms_per_step")]
-    return max(cands, key=lambda r: r.get("created", "")) if cands else None
+    same_kind = [r for r in cands if gpu_count is not None and r.get("gpu_count") == gpu_count]
+    return max(same_kind or cands, key=lambda r: r.get("created", "")) if cands else None
+
+
+def rebind(row: dict, rows: List[dict]) -> bool:
+    """Give ``row`` the bound of its own kind of machine where its bound came from another kind (a call on a
+    4-GPU host without a world-1 row took a one-GPU machine's from the committed rows) and a row of its kind now
+    exists; returns whether it changed."""
+    src = next((r for r in rows if r.get("row_id") == row.get("bound_source")), None)
+    if src is None or row.get("gpu_count") is None or src.get("gpu_count") == row.get("gpu_count"):
+        return False
+    b = _find_bound(row.get("model"), row.get("gpu"), rows, row.get("gpu_count"))
+    if b is None or b.get("gpu_count") != row.get("gpu_count"):
+        return False
+    row.pop("bound_ms", None)
+    return set_bound(row, rows)
 
 
 def set_bound(row: dict, rows: List[dict]) -> bool:
@@ -137,7 +153,7 @@ def set_bound(row: dict, rows: List[dict]) -> bool:
     Returns whether a bound was set."""
     if not row.get("ms_per_step") or row.get("bound_ms") is not None or not row.get("ranks_per_device"):
         return False
-    b = _find_bound(row.get("model"), row.get("gpu"), rows)
+    b = _find_bound(row.get("model"), row.get("gpu"), rows, row.get("gpu_count"))
     if b is None:
         return False
     row["bound_ms"] = b["ms_per_step"] * row["ranks_per_device"]
@@ -231,7 +247,8 @@ def run(args) -> int:
                                                                          else "")
                         + (f"_d{delay:g}us" if delay else ""))
                 row = {"row_id": f"{run_id}/{name}", "run_id": run_id, "created": meta["created"],
-                       "commit": meta["commit"], "gpu": gpu, "machine": suite.device_label(meta["machine"]),
+                       "commit": meta["commit"], "gpu": gpu, "gpu_count": n_gpus,
+                       "machine": suite.device_label(meta["machine"]),
                        "config": v.config, "variant": v.label, "replica_requested": v.replica,
                        "default": v.is_default, "topology": topo, "nodes": nodes, "gpus_per_node": gpn,
                        "ranks": world, "ranks_per_device": world if cpu else rpg, "model": model,

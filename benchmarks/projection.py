@@ -9,11 +9,14 @@ The model (per config k: ``zero3``, ``zeropp``, ``sdp4bit/full``, ``sdp4bit/node
   takes in what a config adds to it (quantize kernels, extra copies, per-collective latency) and, below 1, what
   ranks sharing one GPU gain by filling it (in that mode ``C`` is no bound); a ``c_k`` on an edge of its range
   is flagged: the model does not describe those rows.
-* ``X``: bytes one rank sends per step (the rows' ``wire_bytes_total``; at scale the bytes crossing one node's
-  link, ``deepspeed_sdp4bit/step_bytes.py``) x 8 / the link rate.  In share-GPU mode every byte of every level
-  goes over the rank's own (shaped) TCP link; the rate is the one ``linkrate`` measured for that setting
-  (``link_measured_gbps``), else the requested one (said so); a row without the knob counts only with the rate
-  measured inside its own run (``e2e --probe-link``): the loopback's own rate differs from call to call.
+* ``X``: bytes one rank sends per step over the shaped link (:func:`link_bytes`: counted by the run where it
+  counted, else SDP4Bit's own count and DeepSpeed's formula with its gathers as counted for the model; at scale the
+  bytes crossing one node's link, ``deepspeed_sdp4bit/step_bytes.py``) x 8 / the link rate.  Rows are fitted per
+  mode (:func:`family`): with ranks sharing a GPU every byte of every level goes over the rank's own (shaped) TCP
+  link; on a multi-GPU host's logical nodes (``e2e --transport nodes``) only what crosses nodes does, and only
+  knob rows count there.  The rate is the one ``linkrate`` measured for that setting (``link_measured_gbps``),
+  else the requested one (said so); a share-GPU row without the knob counts only with the rate measured inside
+  its own run (``e2e --probe-link``): the loopback's own rate differs from call to call.
   ``e``: the fraction of that rate the training's collectives get, one for all configs.
 * ``phi_k`` in [0, 1]: the overlap, the share of the shorter of compute and communication hidden under the
   longer one.
@@ -28,8 +31,9 @@ one; else with ``--force``, marked NOT VALIDATED).
 Then, for a user's model size, nodes, GPUs per node and inter-node link rate (Gb/s per node; the intra-node
 level is free unless ``--intra-gbps`` is given), it prints the projected step time of ZeRO-3, ZeRO++ and
 SDP4Bit, SDP4Bit's speed-up, and the break-even rate below which SDP4Bit is faster.  Caveats, printed with
-it: the fit is made in share-GPU mode (ranks' compute serialized on one GPU), so its overlap need not carry over
-to one rank per GPU; the world-1 step time of the user's model is the user's (``--world1-ms``) or scaled from
+it: a fit made in share-GPU mode (ranks' compute serialized on one GPU, ``--family share``, the default) need not
+carry its overlap over to one rank per GPU (``--family "4 GPUs, nodes"`` fits a multi-GPU host's rows); the world-1
+step time of the user's model is the user's (``--world1-ms``) or scaled from
 the measured one by parameter count.
 
 Without rows that have a link rate, only the bytes model is printed (bytes per GPU and pure transmission time,
@@ -120,35 +124,44 @@ def family(row: dict) -> str:
 
 def ds_gathers(model: str, counts: Sequence[dict]) -> Optional[float]:
     """How many times per step ZeRO-3 gathers the model (1 = forward only; 2 = again in backward, the formula's
-    assumption), from a counted row of ``model`` (``wire_counts.json``: train_gpt ``--count-wire-bytes``): the
-    all-gather volume over the bf16 parameter bytes; None without such a row."""
-    for r in counts:
-        if r.get("model") != model or r.get("config") != "zero3" or not r.get("wire_counted_per_step") \
-                or not r.get("n_params"):
-            continue
-        vol = 0.0
-        for k, b in r["wire_counted_per_step"].items():
-            op, _, rest = k.partition("@")
-            g = int(rest.split(":")[0])
-            if op == "all_gather_into_tensor" and g > 1:
-                vol += b * g / (g - 1)   # the gathered tensor's bytes (this rank sent (g - 1)/g of them)
-        return vol / (2 * r["n_params"])
-    return None
+    assumption), from the newest counted ZeRO-3 row of ``model`` (``wire_counts.json``: train_gpt
+    ``--count-wire-bytes``): the volume of its all-gathers (every all-gather op; a ZeRO-3 row has no others) over
+    the bf16 parameter bytes; None without such a row or where it counted no gather."""
+    rows = [r for r in counts if r.get("model") == model and r.get("config") == "zero3"
+            and r.get("wire_counted_per_step") and r.get("n_params")]
+    if not rows:
+        return None
+    r = max(rows, key=lambda r: r.get("created", ""))
+    vol = 0.0
+    for k, b in r["wire_counted_per_step"].items():
+        op, _, rest = k.partition("@")
+        g = int(rest.split(":")[0])
+        if op.startswith("all_gather") and g > 1:
+            vol += b * g / (g - 1)   # the gathered tensor's bytes (this rank sent (g - 1)/g of them)
+    return vol / (2 * r["n_params"]) if vol > 0 else None
+
+
+def all_on_link(row: dict) -> bool:
+    """Whether every byte a rank sends crosses the shaped link: ranks sharing a GPU, CPU (gloo), and a multi-GPU
+    host with NCCL's sockets or network transport; not ``--transport nodes`` (NVLink inside a logical node)."""
+    fam = family(row)
+    return fam == SHARE or not fam.endswith(", nodes")
 
 
 def link_bytes(r: dict, counts: Sequence[dict]) -> Tuple[Optional[float], str]:
     """Bytes one rank sends per step over the link the knob shapes, and where the number comes from (ZeRO++'s
-    int8 gathers are taken as often as ZeRO-3's: the same coordinator decides when a parameter is released).
+    int8 gathers are taken as often as ZeRO-3's were counted: the same coordinator decides when a parameter is
+    released; ZeRO++ itself was not counted).
 
-    Counted (the row's ``wire_counted_inter``: collectives whose group spans NCCL hosts) where the run counted;
-    else, in share-GPU mode, the row's ``wire_bytes_total`` with DeepSpeed's gathers taken as often as
-    ``ds_gathers`` counted them for the model (the formula assumes two per step; without a count the row's bytes
-    are unknown: None).  In ``--transport nodes`` rows without a count: SDP4Bit's inter level (its intra level and
+    Counted where the run counted: ``wire_counted_total`` where every byte crosses the link (:func:`all_on_link`),
+    ``wire_counted_inter`` (collectives whose group spans NCCL hosts) on logical nodes; else, where every byte
+    crosses the link, the row's formula bytes with DeepSpeed's gathers taken as often as ``ds_gathers`` counted
+    them for the model (the formula assumes two per step; without a count the row's bytes are unknown: None).  In ``--transport nodes`` rows without a count: SDP4Bit's inter level (its intra level and
     a node replica's gathers stay on NVLink) and DeepSpeed's gathers and reduce-scatters over the world (a ring
     runs at its slowest hop, which crosses nodes); ZeRO++ with hpZ > 1 has no such formula here (None).
     """
-    if r.get("wire_counted_inter") is not None:
-        return float(r["wire_counted_inter"]), "counted"
+    if r.get("wire_counted_total") is not None:   # counted: every byte, or what crossed logical nodes
+        return float(r["wire_counted_total"] if all_on_link(r) else r["wire_counted_inter"]), "counted"
     w = r.get("wire_bytes_per_step") or {}
     if not w:   # a row with a total only (no levels to tell apart)
         return r.get("wire_bytes_total"), "the row's wire_bytes_total"
@@ -158,9 +171,9 @@ def link_bytes(r: dict, counts: Sequence[dict]) -> Tuple[Optional[float], str]:
     if gathers and n is None:
         return None, f"DeepSpeed's gathers not counted for {r.get('model')} (the formula's two per step is an upper bound)"
     scaled = {k: (v * n / 2 if k in gathers else v) for k, v in ds.items()}
-    src = ("formula" + (f", DeepSpeed's gathers x {n:.2f} per step as counted" if gathers else "")) if ds \
-        else "engine.sdp4bit_summary()"
-    if family(r) == SHARE:
+    src = ("formula" + (f", DeepSpeed's gathers x {n:.2f} per step as counted for ZeRO-3" if gathers else "")) \
+        if ds else "engine.sdp4bit_summary()"
+    if all_on_link(r):
         return sum(v for k, v in w.items() if k.startswith("sdp4bit_")) + sum(scaled.values()), src
     if r.get("config") == "zeropp" and (r.get("gpus_per_node") or 1) > 1:
         return None, "ZeRO++ with hpZ across logical nodes: no formula for what crosses them (not counted)"
@@ -466,11 +479,15 @@ PROJECTED = ("zero3", "zeropp", "sdp4bit/full", "sdp4bit/node")  # what a projec
 COUNTS_FILE = "wire_counts.json"   # counted rows that say how often DeepSpeed gathers a model (ds_gathers)
 
 
-def default_split(fam: str) -> str:
+def default_split(fam: str, rows: Sequence[dict] = ()) -> str:
     """The split each family is checked with: share-GPU rows span several rates per cell (``alternate``); a
-    multi-GPU host's have had two knob rates per cell, where ``alternate`` checks nothing, so they are fitted on
-    2x2 and checked on 4x1, a topology the fit has not seen."""
-    return "alternate" if fam == SHARE else "topology:4x1"
+    multi-GPU host's have had two knob rates per cell, where ``alternate`` checks nothing, so where the family has
+    knob rows at 2x2 and at 4x1 they are fitted on 2x2 and checked on 4x1, a topology the fit has not seen
+    (``alternate`` otherwise)."""
+    if fam == SHARE:
+        return "alternate"
+    topos = {r.get("topology") for r in rows if family(r) == fam and r.get("link_gbps") is not None}
+    return "topology:4x1" if {"2x2", "4x1"} <= topos else "alternate"
 
 
 def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
@@ -571,7 +588,7 @@ def main(argv=None):
     replica = choose_replica(args.gpus_per_node, int(args.params), 0.25, int(args.gpu_mem_gib * 2 ** 30))[0] or "node"
     d = Path(args.dir)
     rows, link_rows = suite.load_rows(d / "throughput.json"), suite.load_rows(d / "linkrate.json")
-    res = fit_and_check(rows, link_rows, args.split or default_split(args.family), args.family,
+    res = fit_and_check(rows, link_rows, args.split or default_split(args.family, rows), args.family,
                         suite.load_rows(d / COUNTS_FILE))
     out: dict = {"args": vars(args), "replica": replica}
     if res is None:

@@ -281,10 +281,10 @@ def throughput_table(rows: Sequence[dict]) -> str:
     # runs that did not finish, of the cells (knob settings included) with no finished run: a later run that did
     # stands for them, and so does a topology-independent run (ZeRO-3 / ZeRO++ in share-GPU mode) of the ranks
     def cell(r):
-        return _key(r), link.settings_of(r), str(r.get("machine"))
+        return _key(r), link.settings_of(r), _where(r)
 
     def ranks_cell(r):   # a topology-independent run covers every topology of its rank count
-        return r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r), str(r.get("machine"))
+        return r.get("model"), r.get("ranks"), r.get("variant"), link.settings_of(r), _where(r)
 
     done = {cell(r) for r in _ok(rows)}
     anywhere = {ranks_cell(r) for r in _ok(rows) if r.get("topology_independent")}
@@ -297,7 +297,7 @@ def throughput_table(rows: Sequence[dict]) -> str:
             "another run on the same machine and mode). wire: bytes one rank sends per step (SDP4Bit's from "
             "`engine.sdp4bit_summary()`, DeepSpeed's by formula, see benchmarks/e2e.py).\n")
     if failed:   # one entry per cell and outcome, however many runs it failed or was skipped in
-        notes = [f"{r.get('model')} {r.get('topology')} {r.get('variant')} ({_short(r.get('machine'))})"
+        notes = [f"{r.get('model')} {r.get('topology')} {r.get('variant')} ({_short(_where(r))})"
                  + ("" if link.unshaped(r) else f" (knob {link.label(r.get('link_gbps'))} Gb/s"
                     + (f", {r['link_delay_us']:g} us" if r.get("link_delay_us") else "") + ")")
                  + f": {r.get('status')}" + (f" ({r.get('reason')})" if r.get("reason") else "") for r in failed]
@@ -306,9 +306,10 @@ def throughput_table(rows: Sequence[dict]) -> str:
 
 
 def _short(machine) -> str:
-    """``H100`` for "NVIDIA H100 80GB HBM3"."""
-    words = str(machine).replace("NVIDIA ", "").split()
-    return words[0] if words else str(machine)
+    """``H100`` for "NVIDIA H100 80GB HBM3"; a mode in parentheses is kept ("H200 (4 GPUs, nodes)")."""
+    name, paren, mode = str(machine).partition(" (")
+    words = name.replace("NVIDIA ", "").split()
+    return (words[0] if words else name) + (paren + mode if paren else "")
 
 
 def throughput_png(rows: Sequence[dict], png: Path) -> bool:
@@ -743,9 +744,10 @@ HOST_NOTE = ("One rank per GPU of one host. `nodes`: each logical node's GPUs ar
              "nodes`), so ranks of a node talk over NVLink and nodes over sockets, where the knob (`--link-gbps`) "
              "limits each rank's TCP egress; the link column is NCCL's all-gather rate between the nodes measured in "
              "the run (`--probe-link`, one rank per node). `nvlink`: NCCL's default on the host, one node (1xG; "
-             "SDP4Bit is off there, `replica` off) or logical nodes that all talk over NVLink. Ratios: the same run; "
-             "the bound is the world-1 ZeRO-3 step of the model on that host. Commit with ° where the row did not run "
-             "today's default.")
+             "SDP4Bit is off there, `replica` off) or logical nodes that all talk over NVLink. The knob limits each "
+             "rank (a NIC per GPU), not each node. Ratios: the same run; the bound is the world-1 ZeRO-3 step of the "
+             "model on the same GPU type, of that kind of host where one was measured (else of a one-GPU machine). "
+             "Commit with ° where the row did not run today's default.")
 
 
 # ------------------------------------------------------------------------------------------- headline
@@ -1080,7 +1082,7 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
     m, v = _bound_goal(tp_rows, today)
     rows.append(("20", "4 ranks: default's share of the no-communication bound", m, v))
     m, v = _host_speed_goal(tp_rows, today)
-    rows.append(("20", f"4 GPUs of one host as logical nodes (`e2e --transport nodes`: NVLink inside a node, the "
+    rows.append(("20", f"a multi-GPU host as logical nodes (`e2e --transport nodes`: NVLink inside a node, the "
                  f"knob on the sockets between): default >= {GOAL_SPEEDUP:g}x ZeRO-3 / ZeRO++ (same run), per knob "
                  "setting", m, v))
     m, v = _one_node_goal(tp_rows, today)
@@ -1098,8 +1100,8 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
     if not isinstance(fits, dict):   # one fit (the share-GPU rows') given alone
         fits = {projection.SHARE: fits}
     for fam, res in fits.items():
-        what = ("ranks sharing one GPU" if fam == projection.SHARE else f"{fam} (knob rows; fitted on 2x2, checked "
-                "on 4x1)" if projection.default_split(fam) == "topology:4x1" else fam)
+        what = ("ranks sharing one GPU" if fam == projection.SHARE else f"{fam} (knob rows; {res['split']} split)"
+                if res is not None else fam)
         if res is None:
             rows.append(("23", f"step-time model within 20% of every measured point: {what}", NM, NM))
             continue
@@ -1157,7 +1159,7 @@ def run(args) -> int:
     fams = [projection.SHARE] + sorted({projection.family(r) for r in tp if not link.unshaped(r)} - {projection.SHARE})
     fits: Dict[str, Optional[dict]] = {}
     for fam in fams:
-        res = fits[fam] = projection.fit_and_check(tp, link_rows, projection.default_split(fam), fam, counts)
+        res = fits[fam] = projection.fit_and_check(tp, link_rows, projection.default_split(fam, tp), fam, counts)
         md, png = (("projection.md", "speedup_vs_rate.png") if fam == projection.SHARE else
                    (f"projection_{_slug(fam)}.md", f"speedup_vs_rate_{_slug(fam)}.png"))
         if res is None:
@@ -1199,6 +1201,22 @@ def backfill_configs(rows: List[dict]) -> List[str]:
     return done
 
 
+def _backfill_gpu_count(rows: List[dict], runs: Path) -> None:
+    """``gpu_count`` (the kind of machine: GPUs on the host) for rows measured before e2e recorded it, from their
+    run's meta in ``runs/`` where that file is kept."""
+    metas: Dict[str, Optional[int]] = {}
+    for r in rows:
+        rid = r.get("run_id")
+        if r.get("gpu_count") is not None or not rid:
+            continue
+        if rid not in metas:
+            f = runs / f"{rid}.json"
+            metas[rid] = (json.loads(f.read_text()).get("meta", {}).get("machine", {}).get("gpu_count")
+                          if f.is_file() else None)
+        if metas[rid] is not None:
+            r["gpu_count"] = metas[rid]
+
+
 def run_merge(args) -> int:
     d = Path(args.dir)
     if not args.files and not getattr(args, "backfill_configs", False):
@@ -1235,12 +1253,17 @@ def run_merge(args) -> int:
             continue
         if q == "e2e":   # what each new row ran, and the fixes its commit lacks
             backfill_configs(rows)
+            count = ((doc.get("meta") or {}).get("machine") or {}).get("gpu_count") if isinstance(doc, dict) else None
+            for r in rows:   # the kind of machine (rows before e2e recorded it: from the run's meta)
+                if r.get("gpu_count") is None and count is not None:
+                    r["gpu_count"] = count
         merged = suite.merge_rows(d / targets[q], rows)
         print(f"merge: {f}: {len(rows)} rows -> {d / targets[q]}")
         if q == "e2e":   # rows whose call had no world-1 row of their machine take it from the merged rows
-            filled = [r["row_id"] for r in merged if e2e.set_bound(r, merged)]
+            _backfill_gpu_count(merged, d / "runs")
+            filled = [r["row_id"] for r in merged if e2e.set_bound(r, merged) or e2e.rebind(r, merged)]
+            suite.write_json(d / targets[q], merged)   # (the gpu counts too)
             if filled:
-                suite.write_json(d / targets[q], merged)
                 print(f"merge: bounds set for {', '.join(filled)}")
         probes = doc.get("link_probes") if isinstance(doc, dict) else None
         if probes:  # e2e --probe-link: the rates its rows name in link_measured_source

@@ -9,16 +9,23 @@ in backward (it does not while the parameter's next use lies within ``stage3_max
 finds when it starts).  Bytes a rank sends per call, for a group of ``g`` ranks (what a ring or pairwise
 exchange sends; NCCL's tree and in-network algorithms differ, the data volume does not):
 
-=================================  =======================================
-all_gather_into_tensor(out, in)    ``in.nbytes * (g - 1)`` (also all_gather_single)
-all_gather(list, t)                ``t.nbytes * (g - 1)``
-reduce_scatter_tensor(out, in)     ``in.nbytes * (g - 1) / g``
-reduce_scatter(out, list)          ``sum(list nbytes) * (g - 1) / g``
-all_to_all_single(out, in, ...)    ``in.nbytes`` less the rank's own split
-all_to_all(outs, ins)              ``sum(ins nbytes)`` less the rank's own
+===================================  =======================================
+all_gather_into_tensor(out, in)      ``in.nbytes * (g - 1)`` (also all_gather_single, _all_gather_base)
+all_gather(list, t)                  ``t.nbytes * (g - 1)``
+all_gather_coalesced(lists, ins)     ``sum(ins nbytes) * (g - 1)``
+reduce_scatter_tensor(out, in)       ``in.nbytes * (g - 1) / g`` (also reduce_scatter_single, _base)
+reduce_scatter(out, list)            ``sum(list nbytes) * (g - 1) / g``
+all_to_all_single(out, in, ...)      ``in.nbytes`` less the rank's own split
+all_to_all(outs, ins)                ``sum(ins nbytes)`` less the rank's own
 all_reduce(t), all_reduce_coalesced  ``2 * nbytes * (g - 1) / g``
-broadcast(t), reduce(t)            ``t.nbytes`` (the pipelined chain's per-rank share)
-=================================  =======================================
+broadcast(t), reduce(t)              ``t.nbytes * (g - 1) / g`` (a chain's bytes, averaged over its ranks)
+scatter(t, list, src)                the source: ``sum(list nbytes)`` less its own; the others nothing
+gather(t, list, dst)                 ``t.nbytes`` on every rank but the destination
+send(t), isend(t), batch_isend_irecv  the bytes of the sends (receives send nothing)
+===================================  =======================================
+
+A call is counted once it has returned (a call that raises is not), and a call made from inside another counted
+call (torch's deprecated names call the new ones) is not counted again.
 
 Counts are per rank, by ``"<op>@<group size>:<intra|inter>"``: ``inter`` where the group spans several nodes
 (node = global rank // ``LOCAL_WORLD_SIZE``, as torchrun and ``benchmarks/share_gpu.py`` set it), so its ring or
@@ -76,7 +83,11 @@ def _group_arg(name: str, args, kwargs):
     """The ``group`` a call was given (None: the world)."""
     if "group" in kwargs:
         return kwargs["group"]
-    pos = {"all_gather_into_tensor": 2, "_all_gather_base": 2, "all_gather_single": 2, "all_gather": 2, "reduce_scatter_tensor": 3,
+    if name == "batch_isend_irecv":
+        ops = args[0] if args else kwargs.get("p2p_op_list") or []
+        return getattr(ops[0], "group", None) if ops else None
+    pos = {"all_gather_into_tensor": 2, "_all_gather_base": 2, "all_gather_single": 2, "all_gather_coalesced": 2,
+           "reduce_scatter_single": 3, "send": 2, "isend": 2, "scatter": 3, "gather": 3, "all_gather": 2, "reduce_scatter_tensor": 3,
            "_reduce_scatter_base": 3, "reduce_scatter": 3, "all_to_all_single": 4, "all_to_all": 2,
            "all_reduce": 2, "all_reduce_coalesced": 2, "broadcast": 2, "reduce": 3}[name]
     return args[pos] if len(args) > pos else None
@@ -88,6 +99,31 @@ def _sent(name: str, args, kwargs):
         return kwargs[key] if key in kwargs else (args[i] if len(args) > i else None)
 
     group = kwargs.get("group")
+    if name == "all_gather_coalesced":
+        ins = arg(1, "input_tensor_list")
+        group = group if "group" in kwargs else arg(2, "group")
+        g = _group_size(group)
+        return sum(_nbytes(t) for t in ins) * (g - 1), g
+    if name in ("send", "isend"):
+        t = arg(0, "tensor")
+        group = group if "group" in kwargs else arg(2, "group")
+        return _nbytes(t), _group_size(group)
+    if name == "batch_isend_irecv":
+        ops = arg(0, "p2p_op_list") or []
+        sends = [o for o in ops if getattr(getattr(o, "op", None), "__name__", "") in ("isend", "send")]
+        if not sends:
+            return None
+        return sum(_nbytes(o.tensor) for o in sends), _group_size(getattr(sends[0], "group", None))
+    if name in ("scatter", "gather"):
+        t, lst = arg(0, "tensor"), arg(1, "scatter_list" if name == "scatter" else "gather_list")
+        root = arg(2, "src" if name == "scatter" else "dst")
+        group = group if "group" in kwargs else arg(3, "group")
+        g = _group_size(group)
+        import torch.distributed as dist
+        me = dist.get_rank()   # src / dst are global ranks
+        if name == "scatter":
+            return (sum(_nbytes(x) for x in (lst or [])) - _nbytes(t) if me == root else 0), g
+        return (0 if me == root else _nbytes(t)), g
     if name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
         inp = arg(1, "input_tensor")
         group = group if "group" in kwargs else arg(2, "group")
@@ -98,7 +134,7 @@ def _sent(name: str, args, kwargs):
         group = group if "group" in kwargs else arg(2, "group")
         g = _group_size(group)
         return _nbytes(t) * (g - 1), g
-    if name in ("reduce_scatter_tensor", "_reduce_scatter_base"):
+    if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_single"):
         inp = arg(1, "input")
         group = group if "group" in kwargs else arg(3, "group")
         g = _group_size(group)
@@ -131,11 +167,12 @@ def _sent(name: str, args, kwargs):
         t = arg(0, "tensor")
         group = group if "group" in kwargs else arg(3 if name == "reduce" else 2, "group")
         g = _group_size(group)
-        return _nbytes(t), g
+        return _nbytes(t) * (g - 1) / g, g
     return None
 
 
-_OPS = ("all_gather_into_tensor", "_all_gather_base", "all_gather_single", "all_gather", "reduce_scatter_tensor", "_reduce_scatter_base",
+_OPS = ("all_gather_into_tensor", "_all_gather_base", "all_gather_single", "all_gather", "all_gather_coalesced",
+        "reduce_scatter_single", "send", "isend", "batch_isend_irecv", "scatter", "gather", "reduce_scatter_tensor", "_reduce_scatter_base",
         "reduce_scatter", "all_to_all_single", "all_to_all", "all_reduce", "all_reduce_coalesced", "broadcast",
         "reduce")
 
@@ -156,8 +193,13 @@ def install() -> None:
 
         @functools.wraps(orig)
         def counted(*args, __name=name, __orig=orig, **kwargs):
-            if getattr(_INSIDE, "depth", 0):   # the outer call counted these bytes already
+            if getattr(_INSIDE, "depth", 0):   # the outer call counts these bytes
                 return __orig(*args, **kwargs)
+            _INSIDE.depth = 1
+            try:
+                out = __orig(*args, **kwargs)
+            finally:
+                _INSIDE.depth = 0
             try:
                 r = _sent(__name, args, kwargs)
             except Exception as e:  # noqa: BLE001 - a count that cannot be made must not pass as zero
@@ -168,11 +210,7 @@ def install() -> None:
                     span = "inter" if _spans_nodes(_group_arg(__name, args, kwargs)) else "intra"
                     key = f"{__name.lstrip('_')}@{g}:{span}"
                     _COUNTS[key] = _COUNTS.get(key, 0.0) + float(b)
-            _INSIDE.depth = 1
-            try:
-                return __orig(*args, **kwargs)
-            finally:
-                _INSIDE.depth = 0
+            return out
 
         for mod in (dist, c10d):
             if getattr(mod, name, None) is orig:

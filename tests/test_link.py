@@ -498,7 +498,17 @@ def test_bytes_on_the_link_per_mode_and_the_nodes_fit():
     b, src = projection.link_bytes(z3, counts)
     assert b == pytest.approx(3e8) and "x 1.00" in src
     assert projection.link_bytes(z3, [])[0] is None                       # not counted: unknown, not the formula
-    assert projection.link_bytes(dict(z3, wire_counted_inter=7e7), [])[0] == 7e7   # counted wins
+    # counted wins: every byte where every byte crosses the link (share-GPU, CPU, a host's sockets), else what
+    # crossed logical nodes
+    counted = dict(z3, wire_counted_total=9e7, wire_counted_inter=7e7)
+    assert projection.link_bytes(counted, [])[0] == 9e7
+    assert projection.link_bytes(dict(counted, mode="cpu gloo", wire_counted_inter=0), [])[0] == 9e7
+    assert projection.link_bytes(dict(counted, mode="4 GPUs, sockets"), [])[0] == 9e7
+    assert projection.link_bytes(dict(counted, mode="4 GPUs, nodes"), [])[0] == 7e7
+    # a count of any all-gather op (torch's all_gather_single too), never a silent zero
+    single = [dict(counts[0], wire_counted_per_step={"all_gather_single@4:inter": 2 * P * 3 / 4})]
+    assert projection.ds_gathers("406M", single) == pytest.approx(1.0)
+    assert projection.ds_gathers("406M", [dict(counts[0], wire_counted_per_step={"reduce_scatter_tensor@2:intra": 1})]) is None
     nodes = dict(z3, mode="4 GPUs, nodes")
     assert projection.family(nodes) == "4 GPUs, nodes"
     assert projection.link_bytes(nodes, counts)[0] == pytest.approx(3e8)   # a world ring runs at its slowest hop
@@ -507,6 +517,7 @@ def test_bytes_on_the_link_per_mode_and_the_nodes_fit():
         "sdp4bit_weights_inter": 2e7}}
     assert projection.link_bytes(sdp, [])[0] == pytest.approx(3e7)          # the intra level stays on NVLink
     assert projection.link_bytes(dict(sdp, mode="share-GPU sockets"), [])[0] == pytest.approx(1.2e8)
+    assert projection.link_bytes(dict(sdp, mode="4 GPUs, sockets"), [])[0] == pytest.approx(1.2e8)   # all TCP
     zpp = dict(nodes, config="zeropp", wire_bytes_per_step={"zeropp_int8_allgather_world": 1e8})
     assert projection.link_bytes(zpp, counts)[0] is None                 # hpZ across logical nodes: no formula
     # nodes rows: knob rows only, fitted on 2x2, checked on 4x1; share rows stay out of that fit
@@ -528,7 +539,8 @@ def test_bytes_on_the_link_per_mode_and_the_nodes_fit():
                                                          "sdp4bit_gradients_intra": 1e9})})
     off = dict(rows[0], row_id="n/off", link_gbps=None, ms_per_step=1.0)   # unshaped: no rate of its own
     share = dict(rows[0], row_id="s/x", mode="share-GPU sockets", ms_per_step=1.0)
-    split = projection.default_split("4 GPUs, nodes")
+    split = projection.default_split("4 GPUs, nodes", rows)
+    assert projection.default_split("4 GPUs, nodes", [r for r in rows if r["topology"] == "4x1"]) == "alternate"
     res = projection.fit_and_check(rows + [off, share], link_rows, split, "4 GPUs, nodes", counts)
     assert split == "topology:4x1" and {c["topology"] for c in res["check_rows"]} == {"4x1"}
     assert {p.row_id for p in res["points"]} == {r["row_id"] for r in rows}
@@ -567,4 +579,12 @@ def test_host_table_and_goals():
     m, v = report._one_node_goal(rows, today)
     assert "406M 1x4" in m and "+17.65%" in m and v == "not resolved"   # the ranges overlap
     assert report.one_gpu(rows) == [] and report.default_rows(rows, "406M", "2x2", today) == []
+    # a share-GPU row of the same cell: kept apart in the tables and the plot, never in the host's table
+    share = dict(rows[0], row_id="s/sdp4bit", run_id="s", mode="share-GPU sockets", link_gbps=None, ms_per_step=900.0)
+    host_off = dict(rows[0], row_id="a/off", link_gbps=None)
+    assert "share-GPU" not in report.host_table(rows + [share])
+    keys = report.latest(rows + [share, host_off], per_machine=True)
+    assert len([k for k in keys if k[:3] == ("406M", "2x2", "sdp4bit")]) == 2
+    assert {report._short(report._where(r)) for r in (share, host_off)} == {"H200", "H200 (4 GPUs, nodes)"}
+    assert report.one_gpu(rows + [share]) == [share]
     assert report._slug("4 GPUs, nodes") == "4gpus_nodes"
