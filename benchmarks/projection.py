@@ -479,14 +479,15 @@ PROJECTED = ("zero3", "zeropp", "sdp4bit/full", "sdp4bit/node")  # what a projec
 COUNTS_FILE = "wire_counts.json"   # counted rows that say how often DeepSpeed gathers a model (ds_gathers)
 
 
-def default_split(fam: str, rows: Sequence[dict] = ()) -> str:
+def default_split(fam: str, rows: Sequence[dict] = (), counts: Sequence[dict] = ()) -> str:
     """The split each family is checked with: share-GPU rows span several rates per cell (``alternate``); a
     multi-GPU host's have had two knob rates per cell, where ``alternate`` checks nothing, so where the family has
     knob rows at 2x2 and at 4x1 they are fitted on 2x2 and checked on 4x1, a topology the fit has not seen
     (``alternate`` otherwise)."""
     if fam == SHARE:
         return "alternate"
-    topos = {r.get("topology") for r in rows if family(r) == fam and r.get("link_gbps") is not None}
+    topos = {r.get("topology") for r in rows if family(r) == fam and r.get("link_gbps") is not None
+             and r.get("status") == "ok" and r.get("ms_per_step") and link_bytes(r, counts)[0] is not None}
     return "topology:4x1" if {"2x2", "4x1"} <= topos else "alternate"
 
 
@@ -588,8 +589,8 @@ def main(argv=None):
     replica = choose_replica(args.gpus_per_node, int(args.params), 0.25, int(args.gpu_mem_gib * 2 ** 30))[0] or "node"
     d = Path(args.dir)
     rows, link_rows = suite.load_rows(d / "throughput.json"), suite.load_rows(d / "linkrate.json")
-    res = fit_and_check(rows, link_rows, args.split or default_split(args.family, rows), args.family,
-                        suite.load_rows(d / COUNTS_FILE))
+    counts = suite.load_rows(d / COUNTS_FILE)
+    res = fit_and_check(rows, link_rows, args.split or default_split(args.family, rows, counts), args.family, counts)
     out: dict = {"args": vars(args), "replica": replica}
     if res is None:
         print(f"No step-time fit: no measured row in {d} has a link rate yet (run `python -m benchmarks "

@@ -1159,7 +1159,7 @@ def run(args) -> int:
     fams = [projection.SHARE] + sorted({projection.family(r) for r in tp if not link.unshaped(r)} - {projection.SHARE})
     fits: Dict[str, Optional[dict]] = {}
     for fam in fams:
-        res = fits[fam] = projection.fit_and_check(tp, link_rows, projection.default_split(fam, tp), fam, counts)
+        res = fits[fam] = projection.fit_and_check(tp, link_rows, projection.default_split(fam, tp, counts), fam, counts)
         md, png = (("projection.md", "speedup_vs_rate.png") if fam == projection.SHARE else
                    (f"projection_{_slug(fam)}.md", f"speedup_vs_rate_{_slug(fam)}.png"))
         if res is None:
@@ -1209,6 +1209,9 @@ def _backfill_gpu_count(rows: List[dict], runs: Path) -> None:
         rid = r.get("run_id")
         if r.get("gpu_count") is not None or not rid:
             continue
+        if r.get("gpu") is None:   # a CPU row (e2e gives those 0, whatever GPUs its host had)
+            r["gpu_count"] = 0
+            continue
         if rid not in metas:
             f = runs / f"{rid}.json"
             metas[rid] = (json.loads(f.read_text()).get("meta", {}).get("machine", {}).get("gpu_count")
@@ -1224,8 +1227,11 @@ def run_merge(args) -> int:
     if getattr(args, "backfill_configs", False):
         rows = suite.load_rows(d / "throughput.json")
         done = backfill_configs(rows)
+        _backfill_gpu_count(rows, d / "runs")
+        rebound = [r["row_id"] for r in rows if e2e.rebind(r, rows)]
         suite.write_json(d / "throughput.json", rows)
-        print(f"merge: config snapshots set for {len(done)} rows of {d / 'throughput.json'}")
+        print(f"merge: config snapshots set for {len(done)} rows of {d / 'throughput.json'}"
+              + (f"; bounds of their own kind of machine for {', '.join(rebound)}" if rebound else ""))
     for f in args.files:
         f = Path(f)
         if f.suffix != ".json":
@@ -1235,7 +1241,9 @@ def run_merge(args) -> int:
         if isinstance(doc, dict) and "meta" in doc and "rows" in doc:
             q = doc["meta"].get("question")
             (d / "runs").mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, d / "runs" / f"{doc['meta']['run_id']}.json")
+            kept = d / "runs" / f"{doc['meta']['run_id']}.json"
+            if not (kept.exists() and kept.resolve() == f.resolve()):   # merging a kept run file again
+                shutil.copyfile(f, kept)
             rows = doc["rows"]
         elif isinstance(doc, list):
             rows = doc

@@ -29,7 +29,7 @@ call (torch's deprecated names call the new ones) is not counted again.
 
 Counts are per rank, by ``"<op>@<group size>:<intra|inter>"``: ``inter`` where the group spans several nodes
 (node = global rank // ``LOCAL_WORLD_SIZE``, as torchrun and ``benchmarks/share_gpu.py`` set it), so its ring or
-exchange crosses the inter-node link; :func:`snapshot` returns the running totals (a step's bytes are the
+exchange crosses the inter-node link (a point-to-point send: where its peer is on another node); :func:`snapshot` returns the running totals (a step's bytes are the
 difference of two snapshots).
 """
 
@@ -79,15 +79,46 @@ def _a2a_single(output, input, output_split_sizes=None, input_split_sizes=None, 
     return _nbytes(input) * (g - 1) / g, g
 
 
+def _node(rank: int) -> int:
+    return rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _p2p_sent(name: str, args, kwargs) -> Dict[str, float]:
+    """Bytes of point-to-point sends by ``"<op>@<group size>:<intra|inter>"``, the span from the peer's node."""
+    import torch.distributed as dist
+
+    def global_peer(group, peer, group_peer):
+        if group_peer is not None and group is not None:
+            return dist.get_global_rank(group, group_peer)
+        return group_peer if peer is None else peer
+
+    if name in ("send", "isend"):
+        names = ("tensor", "dst", "group")
+        full = dict(zip(names, args))
+        full.update(kwargs)
+        sends = [(full["tensor"], full.get("group"), global_peer(full.get("group"), full.get("dst"),
+                                                                  full.get("group_dst")))]
+    else:   # batch_isend_irecv
+        ops = args[0] if args else kwargs.get("p2p_op_list") or []
+        sends = [(o.tensor, getattr(o, "group", None), global_peer(getattr(o, "group", None), o.peer,
+                                                                   getattr(o, "group_peer", None)))
+                 for o in ops if getattr(getattr(o, "op", None), "__name__", "") in ("isend", "send")]
+    out: Dict[str, float] = {}
+    me = dist.get_rank()
+    for t, group, peer in sends:
+        g = _group_size(group)
+        span = "inter" if peer is None or _node(peer) != _node(me) else "intra"
+        key = f"{name}@{g}:{span}"
+        out[key] = out.get(key, 0.0) + _nbytes(t)
+    return out
+
+
 def _group_arg(name: str, args, kwargs):
     """The ``group`` a call was given (None: the world)."""
     if "group" in kwargs:
         return kwargs["group"]
-    if name == "batch_isend_irecv":
-        ops = args[0] if args else kwargs.get("p2p_op_list") or []
-        return getattr(ops[0], "group", None) if ops else None
     pos = {"all_gather_into_tensor": 2, "_all_gather_base": 2, "all_gather_single": 2, "all_gather_coalesced": 2,
-           "reduce_scatter_single": 3, "send": 2, "isend": 2, "scatter": 3, "gather": 3, "all_gather": 2, "reduce_scatter_tensor": 3,
+           "reduce_scatter_single": 3, "scatter": 3, "gather": 3, "all_gather": 2, "reduce_scatter_tensor": 3,
            "_reduce_scatter_base": 3, "reduce_scatter": 3, "all_to_all_single": 4, "all_to_all": 2,
            "all_reduce": 2, "all_reduce_coalesced": 2, "broadcast": 2, "reduce": 3}[name]
     return args[pos] if len(args) > pos else None
@@ -104,26 +135,19 @@ def _sent(name: str, args, kwargs):
         group = group if "group" in kwargs else arg(2, "group")
         g = _group_size(group)
         return sum(_nbytes(t) for t in ins) * (g - 1), g
-    if name in ("send", "isend"):
-        t = arg(0, "tensor")
-        group = group if "group" in kwargs else arg(2, "group")
-        return _nbytes(t), _group_size(group)
-    if name == "batch_isend_irecv":
-        ops = arg(0, "p2p_op_list") or []
-        sends = [o for o in ops if getattr(getattr(o, "op", None), "__name__", "") in ("isend", "send")]
-        if not sends:
-            return None
-        return sum(_nbytes(o.tensor) for o in sends), _group_size(getattr(sends[0], "group", None))
     if name in ("scatter", "gather"):
+        import torch.distributed as dist
         t, lst = arg(0, "tensor"), arg(1, "scatter_list" if name == "scatter" else "gather_list")
-        root = arg(2, "src" if name == "scatter" else "dst")
         group = group if "group" in kwargs else arg(3, "group")
         g = _group_size(group)
-        import torch.distributed as dist
-        me = dist.get_rank()   # src / dst are global ranks
+        local = kwargs.get("group_src" if name == "scatter" else "group_dst")
+        if local is not None:   # the root as a rank of the group
+            is_root = (dist.get_rank(group) if group is not None else dist.get_rank()) == local
+        else:                   # the root as a global rank
+            is_root = dist.get_rank() == arg(2, "src" if name == "scatter" else "dst")
         if name == "scatter":
-            return (sum(_nbytes(x) for x in (lst or [])) - _nbytes(t) if me == root else 0), g
-        return (0 if me == root else _nbytes(t)), g
+            return (sum(_nbytes(x) for x in (lst or [])) - _nbytes(t) if is_root else 0), g
+        return (0 if is_root else _nbytes(t)), g
     if name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
         inp = arg(1, "input_tensor")
         group = group if "group" in kwargs else arg(2, "group")
@@ -171,6 +195,7 @@ def _sent(name: str, args, kwargs):
     return None
 
 
+_P2P = ("send", "isend", "batch_isend_irecv")
 _OPS = ("all_gather_into_tensor", "_all_gather_base", "all_gather_single", "all_gather", "all_gather_coalesced",
         "reduce_scatter_single", "send", "isend", "batch_isend_irecv", "scatter", "gather", "reduce_scatter_tensor", "_reduce_scatter_base",
         "reduce_scatter", "all_to_all_single", "all_to_all", "all_reduce", "all_reduce_coalesced", "broadcast",
@@ -201,15 +226,17 @@ def install() -> None:
             finally:
                 _INSIDE.depth = 0
             try:
-                r = _sent(__name, args, kwargs)
+                if __name in _P2P:
+                    sent = _p2p_sent(__name, args, kwargs)
+                else:
+                    sent, r = {}, _sent(__name, args, kwargs)
+                    if r is not None and r[0] and r[1] > 1:
+                        span = "inter" if _spans_nodes(_group_arg(__name, args, kwargs)) else "intra"
+                        sent[f"{__name.lstrip('_')}@{r[1]}:{span}"] = float(r[0])
             except Exception as e:  # noqa: BLE001 - a count that cannot be made must not pass as zero
                 raise RuntimeError(f"wire_count: cannot count {__name}: {type(e).__name__}: {e}") from e
-            if r is not None:
-                b, g = r
-                if g > 1 and b:
-                    span = "inter" if _spans_nodes(_group_arg(__name, args, kwargs)) else "intra"
-                    key = f"{__name.lstrip('_')}@{g}:{span}"
-                    _COUNTS[key] = _COUNTS.get(key, 0.0) + float(b)
+            for key, b in sent.items():
+                _COUNTS[key] = _COUNTS.get(key, 0.0) + b
             return out
 
         for mod in (dist, c10d):

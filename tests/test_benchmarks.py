@@ -757,3 +757,49 @@ def test_goals_table_reads_the_deterministic_simulation(tmp_path):
     assert line.count("+2.50% +- 0.29") == 2 and "lr 0.001, warm-up 1, cosine to 0.1x" in line
     assert line.endswith("| **not met** |")
     assert not any("simulation" in x for x in report.goals_table([], [], None).splitlines())
+
+
+def test_a_host_row_takes_the_bound_of_its_own_kind_of_machine(tmp_path):
+    """A row of a 4-GPU host bound (at measure time) to a one-GPU machine's world-1 row is re-bound by merge once a
+    world-1 row of a 4-GPU host exists; a row of its own kind's bound, and one with no such row, stay as they are.
+    Rows before e2e recorded gpu_count get it from their run file; a kept run file can be merged again."""
+    from argparse import Namespace
+    from benchmarks import e2e
+
+    d = tmp_path / "res"
+    (d / "runs").mkdir(parents=True)
+
+    def w1(rid, model, ms, created, count=None):
+        r = {"row_id": f"{rid}/{model}_1x1_zero3", "run_id": rid, "status": "ok", "config": "zero3",
+             "topology": "1x1", "model": model, "gpu": "G", "ms_per_step": ms, "created": created}
+        return r if count is None else dict(r, gpu_count=count)
+
+    one = w1("one", "406M", 312.0, "1")               # a one-GPU machine's (its count from its run file below)
+    (d / "runs" / "one.json").write_text(json.dumps({"meta": {"run_id": "one", "machine": {"gpu_count": 1}},
+                                                     "rows": [one]}))
+    one13 = w1("one", "1.3B", 315.0, "1")
+    host = dict(w1("host", "406M", 301.5, "2", 4))    # the 4-GPU host's, measured later
+    rows = [dict(r) for r in (one, one13)]
+    bound_to_one = {"row_id": "knob/406M_2x2_sdp4bit", "run_id": "knob", "status": "ok", "model": "406M",
+                    "gpu": "G", "gpu_count": 4, "ranks_per_device": 1, "ms_per_step": 600.0, "created": "3"}
+    assert e2e.set_bound(bound_to_one, rows) and bound_to_one["bound_ms"] == 312.0   # all there was
+    no_kind = dict(bound_to_one, row_id="knob/1.3B_4x1_sdp4bit", model="1.3B", bound_ms=None)
+    e2e.set_bound(no_kind, rows)
+    assert no_kind["bound_ms"] == 315.0
+    # the same kind is preferred where it exists, whatever is newer
+    assert e2e._find_bound("406M", "G", [one, dict(host, created="0")], 4)["run_id"] == "host"
+    assert e2e._find_bound("406M", "G", [one, dict(host, created="0")], None)["run_id"] == "one"
+    (d / "throughput.json").write_text(json.dumps([one, one13, bound_to_one, no_kind]))
+    doc = tmp_path / "host.json"
+    doc.write_text(json.dumps({"meta": {"run_id": "host", "question": "e2e", "machine": {"gpu_count": 4}},
+                               "rows": [host]}))
+    report.run_merge(Namespace(dir=str(d), files=[str(doc)], backfill_configs=False))
+    got = {r["row_id"]: r for r in json.loads((d / "throughput.json").read_text())}
+    assert got["one/406M_1x1_zero3"]["gpu_count"] == 1                 # from its run file
+    assert got["knob/406M_2x2_sdp4bit"]["bound_ms"] == 301.5 and \
+        got["knob/406M_2x2_sdp4bit"]["bound_source"] == "host/406M_1x1_zero3"
+    assert got["knob/1.3B_4x1_sdp4bit"]["bound_ms"] == 315.0           # no 4-GPU 1.3B row: left as it was
+    # a row bound to its own kind is not touched
+    assert not e2e.rebind(got["knob/406M_2x2_sdp4bit"], list(got.values()))
+    # merging a kept run file again (the run file is the destination itself) works
+    report.run_merge(Namespace(dir=str(d), files=[str(d / "runs" / "host.json")], backfill_configs=False))

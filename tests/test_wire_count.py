@@ -48,6 +48,29 @@ def _worker(rank, world):
         for w in dist.batch_isend_irecv(ops):
             w.wait()
     step("batch_isend_irecv", p2p)
+    t2 = torch.ones(1000)
+    step("_all_gather_base", lambda: dist.distributed_c10d._all_gather_base(torch.empty(2000), t2))
+    step("all_gather_single", lambda: dist.distributed_c10d.all_gather_single(torch.empty(2000), t2))
+    step("all_gather_coalesced", lambda: dist.all_gather_coalesced([[torch.empty(1000)] for _ in range(world)], [t2]))
+    step("reduce_scatter_single", lambda: dist.distributed_c10d.reduce_scatter_single(torch.empty(500), t2))
+    step("reduce", lambda: dist.reduce(t2.clone(), 0))
+    step("all_reduce_coalesced", lambda: dist.all_reduce_coalesced([t2.clone()]))
+
+    def send_recv(fn_send, fn_recv):
+        def go():
+            if rank == 0:
+                w = fn_send(t2, 1)
+            else:
+                w = fn_recv(torch.empty(1000), 0)
+            if hasattr(w, "wait"):   # isend / irecv give a work handle; send / recv finish in the call
+                w.wait()
+        return go
+    step("send", send_recv(dist.send, dist.recv))          # send calls isend: counted once
+    step("isend", send_recv(dist.isend, dist.irecv))
+    step("scatter_group_src", lambda: dist.scatter(torch.empty(1000), [t2.clone(), t2.clone()] if rank == 0 else None,
+                                                   group_src=0))
+    step("gather_group_dst", lambda: dist.gather(t2, [torch.empty(1000), torch.empty(1000)] if rank == 0 else None,
+                                                 group_dst=0))
     try:   # a call that fails is not counted
         dist.all_to_all_single(torch.empty(3), torch.empty(5))
     except Exception:  # noqa: BLE001
@@ -81,3 +104,39 @@ def test_bytes_each_rank_sends(local):
         assert r["scatter"] == ({f"scatter@2:{span}": 4000} if rank == 0 else {})
         assert one("batch_isend_irecv") == ("batch_isend_irecv", 4000)
         assert r["failed_left_no_count"]
+        for name, op in (("_all_gather_base", "all_gather_base"), ("all_gather_single", "all_gather_single")):
+            assert one(name) == (op, 4000)   # once, though one calls the other
+        assert one("all_gather_coalesced") == ("all_gather_coalesced", 4000)
+        assert one("reduce_scatter_single") == ("reduce_scatter_single", 2000)
+        assert one("reduce") == ("reduce", 2000)
+        assert one("all_reduce_coalesced") == ("all_reduce_coalesced", 4000)
+        for name in ("send", "isend"):
+            assert r[name] == ({f"{name}@2:{span}": 4000} if rank == 0 else {}), (name, r[name])
+        assert r["scatter_group_src"] == ({f"scatter@2:{span}": 4000} if rank == 0 else {})
+        assert r["gather_group_dst"] == ({} if rank == 0 else {f"gather@2:{span}": 4000})
+
+
+def _p2p_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+    import wire_count
+
+    wire_count.install()
+    t = torch.ones(1000)
+    peer = rank ^ 1      # the other rank of the same node (2 ranks per node)
+    far = (rank + 2) % 4  # a rank of the other node
+    out = {}
+    for name, p in (("near", peer), ("far", far)):
+        before = wire_count.snapshot()
+        ops = [dist.P2POp(dist.isend, t, p), dist.P2POp(dist.irecv, torch.empty(1000), p)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        out[name] = wire_count.delta(wire_count.snapshot(), before)
+    return out
+
+
+def test_a_send_crosses_nodes_where_its_peer_is_on_another_node():
+    # 4 ranks, 2 per node: the world group spans nodes, a send to the node's other rank does not cross them
+    for r in run_distributed(_p2p_worker, 4, (), local_world_size=2):
+        assert r["near"] == {"batch_isend_irecv@4:intra": 4000}
+        assert r["far"] == {"batch_isend_irecv@4:inter": 4000}
