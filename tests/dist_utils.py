@@ -15,11 +15,13 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 600
+TEARDOWN_S = 60   # how long a rank that has reported may take to leave
 
 
 def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, env, backend):
@@ -43,14 +45,17 @@ def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, en
         result["value"] = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         result = {"ok": False, "error": traceback.format_exc()}
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+    # the result first (written whole, then renamed): a rank that hangs in the process group's teardown below,
+    # as gloo rarely does, has still reported
+    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    with open(path + ".part", "wb") as f:
         pickle.dump(result, f)
+    os.replace(path + ".part", path)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def run_distributed(fn, world_size: int, args=(), local_world_size: int = None, env=None,
@@ -68,12 +73,17 @@ def run_distributed(fn, world_size: int, args=(), local_world_size: int = None, 
                  for r in range(world_size)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout
+        reported = lambda r: os.path.exists(os.path.join(tmp, f"rank{r}.pkl"))  # noqa: E731
+        while time.monotonic() < deadline and not all(reported(r) or not p.is_alive() for r, p in enumerate(procs)):
+            time.sleep(0.05)
+        for p in procs:   # every rank reported or exited: a short wait for the teardown, then no more
+            p.join(min(TEARDOWN_S, max(0.0, deadline - time.monotonic())))
+        hung = [r for r, p in enumerate(procs) if p.is_alive() and not reported(r)]
         for p in procs:
-            p.join(timeout)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
+            if p.is_alive():   # a rank that reported its result and hangs in teardown is not the test's failure
                 p.kill()
+                p.join()
         if hung:
             raise TimeoutError(f"ranks {hung} did not finish within {timeout} s")
         results = []
