@@ -156,8 +156,9 @@ def link_bytes(r: dict, counts: Sequence[dict]) -> Tuple[Optional[float], str]:
     Counted where the run counted: ``wire_counted_total`` where every byte crosses the link (:func:`all_on_link`),
     ``wire_counted_inter`` (collectives whose group spans NCCL hosts) on logical nodes; else, where every byte
     crosses the link, the row's formula bytes with DeepSpeed's gathers taken as often as ``ds_gathers`` counted
-    them for the model (the formula assumes two per step; without a count the row's bytes are unknown: None).  In ``--transport nodes`` rows without a count: SDP4Bit's inter level (its intra level and
-    a node replica's gathers stay on NVLink) and DeepSpeed's gathers and reduce-scatters over the world (a ring
+    them for the model (the formula assumes two per step; without a count the row's bytes are unknown: None).
+    In ``--transport nodes`` rows without a count: SDP4Bit's inter level (its intra level and a node replica's
+    gathers stay on NVLink) and DeepSpeed's gathers and reduce-scatters over the world (a ring
     runs at its slowest hop, which crosses nodes); ZeRO++ with hpZ > 1 has no such formula here (None).
     """
     if r.get("wire_counted_total") is not None:   # counted: every byte, or what crossed logical nodes
@@ -169,7 +170,8 @@ def link_bytes(r: dict, counts: Sequence[dict]) -> Tuple[Optional[float], str]:
     ds = {k: v for k, v in w.items() if not k.startswith("sdp4bit_")}
     gathers = {k: v for k, v in ds.items() if "allgather" in k}
     if gathers and n is None:
-        return None, f"DeepSpeed's gathers not counted for {r.get('model')} (the formula's two per step is an upper bound)"
+        return None, (f"DeepSpeed's gathers not counted for {r.get('model')} (the formula's two per step is an "
+                      "upper bound)")
     scaled = {k: (v * n / 2 if k in gathers else v) for k, v in ds.items()}
     src = ("formula" + (f", DeepSpeed's gathers x {n:.2f} per step as counted for ZeRO-3" if gathers else "")) \
         if ds else "engine.sdp4bit_summary()"
@@ -519,15 +521,14 @@ def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     lines = [f"fit ({res['split']} split; {sum(f.n_fit.values())} rows): link efficiency e = {f.e:.3f}"]
     for k in sorted(f.c):
         lines.append(f"  {k:16} compute factor c = {f.c[k]:.3f}   overlap phi = {f.phi[k]:.2f}   ({f.n_fit[k]} rows)")
+    unpredicted = sum(c["rel"] is None for c in res["check_rows"])   # check rows of configs the fit has not
     if res["max_check_error"] is None:
         lines.append("check: no rows left to check (all were used for the fit)")
     else:
         ok = "within" if res["max_check_error"] <= GOAL else "NOT within"
-        n_pred = sum(c["rel"] is not None for c in res["check_rows"])
-        lines.append(f"check on {n_pred} other rows: largest error {100 * res['max_check_error']:.1f}% "
-                     f"({ok} the {100 * GOAL:.0f}% goal)"
-                     + (f"; {len(res['check_rows']) - n_pred} more of configs without fitted rows, not predicted"
-                        if n_pred < len(res["check_rows"]) else ""))
+        lines.append(f"check on {len(res['check_rows']) - unpredicted} other rows: largest error "
+                     f"{100 * res['max_check_error']:.1f}% ({ok} the {100 * GOAL:.0f}% goal)"
+                     + (f"; {unpredicted} more of configs without fitted rows, not predicted" if unpredicted else ""))
     if res["check_rows"]:
         checked = sorted({c["key"] for c in res["check_rows"] if c["rel"] is not None})
         unchecked = sorted(set(f.c) - set(checked))
@@ -535,7 +536,6 @@ def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
                      + (f" only; {', '.join(unchecked)}: fitted rows only)" if unchecked else ")"))
     if res.get("max_error") is not None:
         ok = "within" if res["max_error"] <= GOAL else "NOT within"
-        unpredicted = sum(c["rel"] is None for c in res["check_rows"])
         lines.append(f"every measured point (fitted and checked): largest error {100 * res['max_error']:.1f}% "
                      f"({ok} the {100 * GOAL:.0f}% goal)"
                      + (f", less the {unpredicted} not predicted" if unpredicted else ""))

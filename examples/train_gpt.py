@@ -189,6 +189,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(a, name)}")
     if a.log_flush < 1:
         p.error(f"--log-flush must be >= 1, got {a.log_flush}")
+    if a.count_wire_bytes and not wire_count.installed():
+        p.error("--count-wire-bytes must be on the command line (the counter is installed before DeepSpeed is "
+                "imported)")
     if not a.lr > 0:
         p.error(f"--lr must be > 0, got {a.lr}")
     if not 0.0 <= a.min_lr_ratio <= 1.0:
@@ -510,9 +513,6 @@ def main(argv=None) -> dict:
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         _sync()
-        if args.count_wire_bytes and not wire_count.installed():
-            raise SystemExit("train_gpt.py: --count-wire-bytes must be on the command line (the counter is "
-                             "installed before DeepSpeed is imported)")
         sent0 = wire_count.snapshot() if args.count_wire_bytes else None
         t0 = time.perf_counter()
         # [summed loss, ranks past --stop-at-time]: one all-reduce per step carries both, so every rank stops at
@@ -537,7 +537,7 @@ def main(argv=None) -> dict:
                "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": _peak_mem_bytes()}
         gn = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
         rec["grad_norm"] = float(gn) if gn is not None else None
-        if sent0 is not None:   # bytes this rank sent in the step, by "<op>@<group size>"
+        if sent0 is not None:   # bytes this rank sent in the step, by "<op>@<group size>:<intra|inter>"
             rec["wire_counted"] = wire_count.delta(wire_count.snapshot(), sent0)
         if summary_fn is not None:
             rec["sdp4bit"] = _jsonable(summary_fn())

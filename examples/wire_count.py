@@ -29,8 +29,8 @@ call (torch's deprecated names call the new ones) is not counted again.
 
 Counts are per rank, by ``"<op>@<group size>:<intra|inter>"``: ``inter`` where the group spans several nodes
 (node = global rank // ``LOCAL_WORLD_SIZE``, as torchrun and ``benchmarks/share_gpu.py`` set it), so its ring or
-exchange crosses the inter-node link (a point-to-point send: where its peer is on another node); :func:`snapshot` returns the running totals (a step's bytes are the
-difference of two snapshots).
+exchange crosses the inter-node link (a point-to-point send: where its peer is on another node);
+:func:`snapshot` returns the running totals (a step's bytes are the difference of two snapshots).
 """
 
 from __future__ import annotations
@@ -57,30 +57,17 @@ def _group_size(group) -> int:
 _SPANS: Dict[object, bool] = {}
 
 
+def _node(rank: int) -> int:
+    return rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def _spans_nodes(group) -> bool:
     """Whether the group's ranks sit on more than one node (cached per group)."""
     import torch.distributed as dist
     if group not in _SPANS:
         ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
-        per = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        _SPANS[group] = len({r // per for r in ranks}) > 1
+        _SPANS[group] = len({_node(r) for r in ranks}) > 1
     return _SPANS[group]
-
-
-def _a2a_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **_):
-    g = _group_size(group)
-    if g <= 1:
-        return 0
-    if input_split_sizes:
-        import torch.distributed as dist
-        me = dist.get_rank(group) if group is not None else dist.get_rank()
-        row = _nbytes(input) // max(1, input.shape[0]) if input.dim() else input.element_size()
-        return (_nbytes(input) - input_split_sizes[me] * row), g
-    return _nbytes(input) * (g - 1) / g, g
-
-
-def _node(rank: int) -> int:
-    return rank // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _p2p_sent(name: str, args, kwargs) -> Dict[str, float]:
@@ -113,93 +100,71 @@ def _p2p_sent(name: str, args, kwargs) -> Dict[str, float]:
     return out
 
 
+# where each collective takes its ``group`` when given by position
+_GROUP_POS = {"all_gather_into_tensor": 2, "_all_gather_base": 2, "all_gather_single": 2, "all_gather": 2,
+              "all_gather_coalesced": 2, "reduce_scatter_tensor": 3, "_reduce_scatter_base": 3,
+              "reduce_scatter_single": 3, "reduce_scatter": 3, "all_to_all_single": 4, "all_to_all": 2,
+              "all_reduce": 2, "all_reduce_coalesced": 2, "broadcast": 2, "reduce": 3, "scatter": 3, "gather": 3}
+
+
 def _group_arg(name: str, args, kwargs):
     """The ``group`` a call was given (None: the world)."""
     if "group" in kwargs:
         return kwargs["group"]
-    pos = {"all_gather_into_tensor": 2, "_all_gather_base": 2, "all_gather_single": 2, "all_gather_coalesced": 2,
-           "reduce_scatter_single": 3, "scatter": 3, "gather": 3, "all_gather": 2, "reduce_scatter_tensor": 3,
-           "_reduce_scatter_base": 3, "reduce_scatter": 3, "all_to_all_single": 4, "all_to_all": 2,
-           "all_reduce": 2, "all_reduce_coalesced": 2, "broadcast": 2, "reduce": 3}[name]
+    pos = _GROUP_POS[name]
     return args[pos] if len(args) > pos else None
 
 
-def _sent(name: str, args, kwargs):
-    """(bytes this rank sends, group size) of one call, or None where nothing crosses a link."""
+def _sent(name: str, args, kwargs, group, g: int) -> float:
+    """Bytes this rank sends in one call of a collective over ``group`` of ``g`` ranks (the module's table)."""
+    import torch.distributed as dist
+
     def arg(i, key):
         return kwargs[key] if key in kwargs else (args[i] if len(args) > i else None)
 
-    group = kwargs.get("group")
+    def my_rank():
+        return dist.get_rank(group) if group is not None else dist.get_rank()
+
+    if name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
+        return _nbytes(arg(1, "input_tensor")) * (g - 1)
+    if name == "all_gather":
+        return _nbytes(arg(1, "tensor")) * (g - 1)
     if name == "all_gather_coalesced":
-        ins = arg(1, "input_tensor_list")
-        group = group if "group" in kwargs else arg(2, "group")
-        g = _group_size(group)
-        return sum(_nbytes(t) for t in ins) * (g - 1), g
+        return sum(_nbytes(t) for t in arg(1, "input_tensor_list")) * (g - 1)
+    if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_single"):
+        return _nbytes(arg(1, "input")) * (g - 1) / g
+    if name == "reduce_scatter":
+        return sum(_nbytes(t) for t in arg(1, "input_list")) * (g - 1) / g
+    if name == "all_to_all_single":
+        inp, splits = arg(1, "input"), arg(3, "input_split_sizes")
+        if splits:   # less the rows this rank keeps
+            row = _nbytes(inp) // max(1, inp.shape[0]) if inp.dim() else inp.element_size()
+            return _nbytes(inp) - splits[my_rank()] * row
+        return _nbytes(inp) * (g - 1) / g
+    if name == "all_to_all":
+        me = my_rank()
+        return sum(_nbytes(t) for i, t in enumerate(arg(1, "input_tensor_list")) if i != me)
+    if name in ("all_reduce", "all_reduce_coalesced"):
+        t = arg(0, "tensor" if name == "all_reduce" else "tensors")
+        n = sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else _nbytes(t)
+        return 2 * n * (g - 1) / g
+    if name in ("broadcast", "reduce"):
+        return _nbytes(arg(0, "tensor")) * (g - 1) / g
     if name in ("scatter", "gather"):
-        import torch.distributed as dist
         t, lst = arg(0, "tensor"), arg(1, "scatter_list" if name == "scatter" else "gather_list")
-        group = group if "group" in kwargs else arg(3, "group")
-        g = _group_size(group)
         local = kwargs.get("group_src" if name == "scatter" else "group_dst")
         if local is not None:   # the root as a rank of the group
-            is_root = (dist.get_rank(group) if group is not None else dist.get_rank()) == local
+            is_root = my_rank() == local
         else:                   # the root as a global rank
             is_root = dist.get_rank() == arg(2, "src" if name == "scatter" else "dst")
         if name == "scatter":
-            return (sum(_nbytes(x) for x in (lst or [])) - _nbytes(t) if is_root else 0), g
-        return (0 if is_root else _nbytes(t)), g
-    if name in ("all_gather_into_tensor", "_all_gather_base", "all_gather_single"):
-        inp = arg(1, "input_tensor")
-        group = group if "group" in kwargs else arg(2, "group")
-        g = _group_size(group)
-        return _nbytes(inp) * (g - 1), g
-    if name == "all_gather":
-        t = arg(1, "tensor")
-        group = group if "group" in kwargs else arg(2, "group")
-        g = _group_size(group)
-        return _nbytes(t) * (g - 1), g
-    if name in ("reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_single"):
-        inp = arg(1, "input")
-        group = group if "group" in kwargs else arg(3, "group")
-        g = _group_size(group)
-        return _nbytes(inp) * (g - 1) / g, g
-    if name == "reduce_scatter":
-        lst = arg(1, "input_list")
-        group = group if "group" in kwargs else arg(3, "group")
-        g = _group_size(group)
-        return sum(_nbytes(t) for t in lst) * (g - 1) / g, g
-    if name == "all_to_all_single":
-        names = ("output", "input", "output_split_sizes", "input_split_sizes", "group")
-        full = dict(zip(names, args))
-        full.update(kwargs)
-        r = _a2a_single(**full)
-        return r or None
-    if name == "all_to_all":
-        ins = arg(1, "input_tensor_list")
-        group = group if "group" in kwargs else arg(2, "group")
-        g = _group_size(group)
-        import torch.distributed as dist
-        me = dist.get_rank(group) if group is not None else dist.get_rank()
-        return sum(_nbytes(t) for i, t in enumerate(ins) if i != me), g
-    if name in ("all_reduce", "all_reduce_coalesced"):
-        t = arg(0, "tensor" if name == "all_reduce" else "tensors")
-        group = group if "group" in kwargs else arg(2, "group")
-        g = _group_size(group)
-        n = sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else _nbytes(t)
-        return 2 * n * (g - 1) / g, g
-    if name in ("broadcast", "reduce"):
-        t = arg(0, "tensor")
-        group = group if "group" in kwargs else arg(3 if name == "reduce" else 2, "group")
-        g = _group_size(group)
-        return _nbytes(t) * (g - 1) / g, g
-    return None
+            return sum(_nbytes(x) for x in (lst or [])) - _nbytes(t) if is_root else 0
+        return 0 if is_root else _nbytes(t)
+    raise KeyError(name)
 
 
 _P2P = ("send", "isend", "batch_isend_irecv")
-_OPS = ("all_gather_into_tensor", "_all_gather_base", "all_gather_single", "all_gather", "all_gather_coalesced",
-        "reduce_scatter_single", "send", "isend", "batch_isend_irecv", "scatter", "gather", "reduce_scatter_tensor", "_reduce_scatter_base",
-        "reduce_scatter", "all_to_all_single", "all_to_all", "all_reduce", "all_reduce_coalesced", "broadcast",
-        "reduce")
+_OPS = tuple(_GROUP_POS) + _P2P
 
 
 def install() -> None:
@@ -229,10 +194,11 @@ def install() -> None:
                 if __name in _P2P:
                     sent = _p2p_sent(__name, args, kwargs)
                 else:
-                    sent, r = {}, _sent(__name, args, kwargs)
-                    if r is not None and r[0] and r[1] > 1:
-                        span = "inter" if _spans_nodes(_group_arg(__name, args, kwargs)) else "intra"
-                        sent[f"{__name.lstrip('_')}@{r[1]}:{span}"] = float(r[0])
+                    group = _group_arg(__name, args, kwargs)
+                    g = _group_size(group)
+                    b = _sent(__name, args, kwargs, group, g) if g > 1 else 0
+                    span = "inter" if b and _spans_nodes(group) else "intra"
+                    sent = {f"{__name.lstrip('_')}@{g}:{span}": float(b)} if b else {}
             except Exception as e:  # noqa: BLE001 - a count that cannot be made must not pass as zero
                 raise RuntimeError(f"wire_count: cannot count {__name}: {type(e).__name__}: {e}") from e
             for key, b in sent.items():
