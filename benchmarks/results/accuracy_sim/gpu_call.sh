@@ -1,6 +1,6 @@
 #!/bin/bash
 # The device call of the GPU accuracy-sim runs (gpu_86m_500.json): installs the wheels of ../shared/device.md,
-# builds the CUDA ops, runs one accuracy-sim process per JOB on the one GPU (8 at a time fill an H200), then
+# builds the CUDA ops, runs one accuracy-sim process per JOB, dealt round-robin over the host's GPUs (8 at a time fill an H200), then
 # packs the run files and logs into $OUT/runs.tgz.  Run from the repository root with .whl/ carried.
 # usage: bash benchmarks/results/accuracy_sim/gpu_call.sh COMMIT BUDGET_S "JOB1" "JOB2" ...   (each JOB: extra accuracy-sim args; one process each)
 commit=$1; budget=$2; shift 2
@@ -17,10 +17,12 @@ echo "built at $SECONDS s"
 # --steps 500 --eval-batches 4 --probe-every 25")
 SIM_MODEL=${SIM_MODEL:-"--d-model 768 --layers 12 --heads 12 --seq 1024 --micro-batch 8 --lr 6e-4 --steps 500 --eval-batches 8 --probe-every 50"}
 COMMON="--device cuda --backend auto --threads 2 --deterministic $SIM_MODEL --bucket-size 50000000 --ref-cache /tmp/sim_ref --verbose"
+# the JOBs are dealt round-robin over the host's GPUs (one GPU: all on it)
+ngpu=$(nvidia-smi -L | wc -l); [ "$ngpu" -ge 1 ] || ngpu=1
 i=0; pids=()
 for job in "$@"; do
   i=$((i+1))
-  python3 -m benchmarks accuracy-sim $COMMON $job --out $OUT/sim_$i.json --deadline $((budget-SECONDS)) > $OUT/logs/job_$i.txt 2>&1 &
+  CUDA_VISIBLE_DEVICES=$(( (i-1) % ngpu )) python3 -m benchmarks accuracy-sim $COMMON $job --out $OUT/sim_$i.json --deadline $((budget-SECONDS)) > $OUT/logs/job_$i.txt 2>&1 &
   pids+=($!)
 done
 wait "${pids[@]}"
