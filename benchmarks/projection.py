@@ -148,13 +148,34 @@ def all_on_link(row: dict) -> bool:
     return fam == SHARE or not fam.endswith(", nodes")
 
 
-def link_bytes(r: dict, counts: Sequence[dict]) -> Tuple[Optional[float], str]:
+def _byte_twin(r: dict) -> tuple:
+    """What fixes the bytes a rank sends per step: the mode, model, shape of the batch, topology and config (with
+    its replica); not the link rate, which only sets how long they take."""
+    return (family(r), r.get("model"), r.get("micro_batch"), r.get("seq"), r.get("topology"), r.get("ranks"),
+            r.get("gpus_per_node"), fit_key(r))
+
+
+def twin_count(r: dict, rows: Sequence[dict]) -> Optional[dict]:
+    """The newest other row of the same byte twin (:func:`_byte_twin`) that counted its bytes, for a row that did
+    not (e.g. a rate point run before the counter existed): what it sends per step is the same at every rate."""
+    key = _byte_twin(r)
+    got = [x for x in rows if x is not r and x.get("wire_counted_total") is not None and x.get("status") == "ok"
+           and _byte_twin(x) == key]
+    return max(got, key=lambda x: str(x.get("created") or x.get("run_id") or "")) if got else None
+
+
+def _counted(r: dict) -> float:
+    return float(r["wire_counted_total"] if all_on_link(r) else r["wire_counted_inter"])
+
+
+def link_bytes(r: dict, counts: Sequence[dict], rows: Sequence[dict] = ()) -> Tuple[Optional[float], str]:
     """Bytes one rank sends per step over the link the knob shapes, and where the number comes from (ZeRO++'s
     int8 gathers are taken as often as ZeRO-3's were counted: the same coordinator decides when a parameter is
     released; ZeRO++ itself was not counted).
 
     Counted where the run counted: ``wire_counted_total`` where every byte crosses the link (:func:`all_on_link`),
-    ``wire_counted_inter`` (collectives whose group spans NCCL hosts) on logical nodes; else, where every byte
+    ``wire_counted_inter`` (collectives whose group spans NCCL hosts) on logical nodes; else as counted by another
+    run of ``rows`` of the same config, model and topology at another rate (:func:`twin_count`); else, where every byte
     crosses the link, the row's formula bytes with DeepSpeed's gathers taken as often as ``ds_gathers`` counted
     them for the model (the formula assumes two per step; without a count the row's bytes are unknown: None).
     In ``--transport nodes`` rows without a count: SDP4Bit's inter level (its intra level and a node replica's
@@ -162,7 +183,10 @@ def link_bytes(r: dict, counts: Sequence[dict]) -> Tuple[Optional[float], str]:
     runs at its slowest hop, which crosses nodes); ZeRO++ with hpZ > 1 has no such formula here (None).
     """
     if r.get("wire_counted_total") is not None:   # counted: every byte, or what crossed logical nodes
-        return float(r["wire_counted_total"] if all_on_link(r) else r["wire_counted_inter"]), "counted"
+        return _counted(r), "counted"
+    twin = twin_count(r, rows)
+    if twin is not None:
+        return _counted(twin), f"counted in {twin.get('run_id')} (same config at another rate)"
     w = r.get("wire_bytes_per_step") or {}
     if not w:   # a row with a total only (no levels to tell apart)
         return r.get("wire_bytes_total"), "the row's wire_bytes_total"
@@ -204,14 +228,32 @@ def rate_of(r: dict, link_rows: Sequence[dict]) -> Tuple[Optional[float], str]:
     return gbps, src
 
 
+NVLINK = "NVLink (nothing on a shaped link)"   # the rate source of a logical-nodes family's X = 0 points
+
+
+def nvlink_point(r: dict, fam: str) -> bool:
+    """Whether row ``r`` is an X = 0 point of the logical-nodes family ``fam`` (``"N GPUs, nodes"``): the same
+    host's ``--transport nvlink`` run of the same config with the nodes on NVLink, i.e. the family's limit of an
+    unbounded link (compute alone). Topologies with several logical nodes qualify, and for a config that ignores
+    the topology (ZeRO-3) a single node too."""
+    if fam == SHARE or not fam.endswith(", nodes") or family(r) != fam[:-len("nodes")] + "nvlink":
+        return False
+    return (r.get("nodes") or 1) > 1 or bool(r.get("topology_independent"))
+
+
 def points(rows: Sequence[dict], link_rows: Sequence[dict], fam: str = SHARE,
            counts: Sequence[dict] = ()) -> Tuple[List[Point], List[str]]:
     """Fit points of one family (:func:`family`) from throughput rows (ok, several ranks, a compute bound, bytes
-    on the link (:func:`link_bytes`), and a known link rate)."""
+    on the link (:func:`link_bytes`), and a known link rate); for a multi-GPU host's logical nodes also its
+    NVLink runs as points with nothing on the link (:func:`nvlink_point`: ``X = 0``, rate ``inf``)."""
     out, skipped = [], []
     for r in rows:
         if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2 or r.get("reused_from"):
             continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again
+        if nvlink_point(r, fam) and r.get("bound_ms"):
+            out.append(Point(fit_key(r), r["model"], r["topology"], float(r["bound_ms"]), 0.0, math.inf, NVLINK,
+                             float(r["ms_per_step"]), r.get("row_id", ""), None, "none on a shaped link"))
+            continue
         if family(r) != fam:
             continue
         if not r.get("bound_ms") or not r.get("wire_bytes_total"):
@@ -224,7 +266,7 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict], fam: str = SHARE,
             skipped.append(f"{r.get('row_id')}: unshaped (no knob rate: the probe's collective rate is not the rate "
                            "every config's traffic got)")
             continue
-        nbytes, bsrc = link_bytes(r, counts)
+        nbytes, bsrc = link_bytes(r, counts, rows)
         if not nbytes:
             skipped.append(f"{r.get('row_id')}: {bsrc}")
             continue
@@ -275,6 +317,7 @@ class Fit:
     n_fit: Dict[str, int] = field(default_factory=dict)
     loss: float = 0.0
     at_bound: List[str] = field(default_factory=list)   # parameters that ended on an edge of their search range
+    compute_seen: Dict[str, bool] = field(default_factory=dict)   # a fitted point with nothing on the link
 
     def predict(self, p: Point) -> Optional[float]:
         if p.key not in self.c:
@@ -335,7 +378,8 @@ def fit(pts: Sequence[Point], e_range=(0.05, 2.0), c_range=(0.2, 4.0)) -> Fit:
     for k, c in cs.items():
         if min(abs(c - c_range[0]), abs(c - c_range[1])) < 1e-6 * c_range[1]:
             edge.append(f"{k}: c = {c:.3f}")
-    return Fit(e, cs, phs, {k: len(v) for k, v in by.items()}, tot, edge)
+    return Fit(e, cs, phs, {k: len(v) for k, v in by.items()}, tot, edge,
+               {k: any(p.X == 0 for p in v) for k, v in by.items()})
 
 
 def check(f: Fit, pts: Sequence[Point]) -> List[dict]:
@@ -361,8 +405,8 @@ def repeats(rows: Sequence[dict], pts: Sequence[Point]) -> List[dict]:
     groups: Dict[tuple, List[Tuple[Point, dict]]] = {}
     for p in pts:
         r = by_id.get(p.row_id)
-        if r is None or r.get("link_gbps") is None:  # unshaped: the loopback's own rate differs from call to call
-            continue
+        if r is None or (r.get("link_gbps") is None and p.X != 0):   # unshaped: the loopback's own rate differs
+            continue                                                     # from call to call (NVLink points: none)
         topo = None if r.get("topology_independent") else p.topology
         same = (r.get("machine"), r.get("mode"), r.get("micro_batch"), r.get("seq"))
         groups.setdefault((p.model, p.key, r.get("ranks"), topo, link.settings_of(r), same), []).append((p, r))
@@ -489,7 +533,7 @@ def default_split(fam: str, rows: Sequence[dict] = (), counts: Sequence[dict] = 
     if fam == SHARE:
         return "alternate"
     topos = {r.get("topology") for r in rows if family(r) == fam and r.get("link_gbps") is not None
-             and r.get("status") == "ok" and r.get("ms_per_step") and link_bytes(r, counts)[0] is not None}
+             and r.get("status") == "ok" and r.get("ms_per_step") and link_bytes(r, counts, rows)[0] is not None}
     return "topology:4x1" if {"2x2", "4x1"} <= topos else "alternate"
 
 
@@ -504,9 +548,14 @@ def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     if res["fit"].at_bound:
         out.append("a parameter lies on its range's edge")
     checked = {c["key"] for c in res["check_rows"] if c["rel"] is not None}   # a config the fit has no
+    nodes = res.get("family", SHARE) != SHARE
     for k in keys:                                                             # parameters for is not checked
         n = res["fit"].n_fit.get(k, 0)
         why = ([f"{n} fitted row(s), 3 needed"] if n < 3 else []) + (["no checked row"] if k not in checked else [])
+        if nodes and n and not res["fit"].compute_seen.get(k):
+            # knob rows are link-bound: they fix (1 - phi) c, not c, so the step on a fast link (and the rate where
+            # SDP4Bit stops paying) would be extrapolated; an NVLink row of the config measures it
+            why.append("no fitted row with nothing on the link (its step on a fast link is not measured)")
         if why:
             out.append(f"{k}: " + ", ".join(why))
     return out
@@ -548,17 +597,18 @@ def fit_lines(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     for rp in res.get("repeats", ()):
         gbps, threads, nsocks, delay = rp["setting"]
         sock = f"{link.sockets_label(threads, nsocks)} sockets" + (f", delay {delay:g} us" if delay else "")
+        where = f"knob {gbps:g} Gb/s, {sock}" if gbps is not None else "NVLink"
         lines.append(f"repeat in another run: {rp['model']} {rp['key']} {rp['ranks']} ranks"
-                     + (f" {rp['topology']}" if rp["topology"] else "") + f", knob {gbps:g} Gb/s, {sock}: "
-                     + " / ".join(f"{m:.0f} ms ({g:.2f} Gb/s, {c})" for m, g, c in zip(rp["ms"], rp["gbps"],
-                                                                                   rp["commits"]))
+                     + (f" {rp['topology']}" if rp["topology"] else "") + f", {where}: "
+                     + " / ".join(f"{m:.0f} ms ({g:.2f} Gb/s, {c})" if math.isfinite(g) else f"{m:.0f} ms ({c})"
+                                  for m, g, c in zip(rp["ms"], rp["gbps"], rp["commits"]))
                      + f": {100 * rp['spread']:.1f}% apart; a model of the rate alone misses one of them by at "
                        f"least {100 * rp['floor']:.1f}%")
     for c in res["check_rows"]:
         model = "no fitted rows of this config" if c["rel"] is None else \
             f"model {c['pred']:8.0f} ms, {100 * c['rel']:+.1f}%"
-        lines.append(f"  {c['model']:5} {c['topology']:4} {c['key']:16} {c['gbps']:8.2f} Gb/s ({c['rate_source']}): "
-                     f"measured {c['ms']:8.0f} ms, {model}")
+        rate = f"{c['gbps']:8.2f} Gb/s ({c['rate_source']})" if math.isfinite(c["gbps"]) else c["rate_source"]
+        lines.append(f"  {c['model']:5} {c['topology']:4} {c['key']:16} {rate}: measured {c['ms']:8.0f} ms, {model}")
     return lines
 
 

@@ -582,7 +582,8 @@ def projection_md(res: dict, rows: Sequence[dict] = ()) -> str:
                      "bytes from", "measured ms", "model ms", "error", "used for")
     for used, rs in (("fit", res["fit_rows"]), ("check", res["check_rows"])):
         for c in sorted(rs, key=lambda c: (c["model"], c["topology"], c["key"], c["gbps"])):
-            lines.append(f"| {c['model']} | {c['topology']} | {c['key']} | {c['gbps']:.2f} | {c['rate_source']} | "
+            rate = f"{c['gbps']:.2f}" if math.isfinite(c["gbps"]) else "-"
+            lines.append(f"| {c['model']} | {c['topology']} | {c['key']} | {rate} | {c['rate_source']} | "
                          f"{pts[c['row_id']].bytes / 1e6:,.0f} | {pts[c['row_id']].bytes_source} | "
                          f"{c['ms']:.0f} | {_fmt(c['pred'], '.0f')} | "
                          f"{'-' if c['rel'] is None else format(100 * c['rel'], '+.1f') + '%'} | {used} |")
@@ -642,9 +643,11 @@ def rate_png(rows: Sequence[dict], res: dict, png: Path) -> bool:
     series: Dict[Tuple[str, str, str], dict] = {}
     for i, base in enumerate(("zero3", "zeropp")):
         for p, r, b in _pairs(rows, pts, base):
+            if not math.isfinite(p.gbps):   # an NVLink point: no rate to plot it at
+                continue
             s = series.setdefault((p.model, p.topology, r["variant"]), {"pts": ([], []), "curve": {}})
             s["pts"][i].append((p.gbps, b["ms_per_step"] / r["ms_per_step"]))
-            bb = projection.link_bytes(b, res.get("counts", ()))[0]
+            bb = projection.link_bytes(b, res.get("counts", ()), rows)[0]
             if bb:
                 s["curve"].setdefault(base, (p.key, p.C, p.bytes, projection.fit_key(b), bb))
     if not series:

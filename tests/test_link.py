@@ -2,6 +2,7 @@
 (benchmarks/projection.py).  Correctness only: no test asserts a rate or a time."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -482,6 +483,82 @@ def test_a_config_fitted_on_too_few_rows_does_not_validate():
     assert any(p.startswith("zeropp: ") and "3 needed" in p for p in projection.problems(res, ("zeropp",)))
 
 
+NODES_TRUTH = {"zero3": (3e8 * 1.5, 1.0, 0.5), "sdp4bit": (3e7, 1.2, 0.2)}   # bytes at 2x2, c, phi
+
+
+def _nodes_rows(rates=(1.0, 2.0, 5.0), C=300.0, e=1.0):
+    """Knob rows of a 4-GPU host's logical nodes made by the model itself (NODES_TRUTH), 2x2 and 4x1."""
+    rows = []
+    for topo, fb in (("2x2", 1.0), ("4x1", 3.0)):
+        for cfg, (nb, c, phi) in NODES_TRUTH.items():
+            nb = nb * (fb if cfg == "sdp4bit" else 1.0)
+            for g in rates:
+                X = nb * 8 / (g * 1e9) * 1e3
+                rows.append({"row_id": f"n/{topo}_{cfg}_{g}", "run_id": f"n{g}", "status": "ok", "config": cfg,
+                             "variant": cfg, "replica": "full" if cfg == "sdp4bit" else None, "model": "406M",
+                             "topology": topo, "ranks": 4, "nodes": 4 // int(topo[-1]),
+                             "gpus_per_node": int(topo[-1]), "bound_ms": C,
+                             "ms_per_step": float(projection.step_ms(C, X, c, phi, e)), "link_gbps": g,
+                             "link_measured_gbps": g, "link_probe": True, "mode": "4 GPUs, nodes",
+                             "wire_bytes_total": 1.0, "wire_bytes_per_step": (
+                                 {"ds_bf16_allgather_world": 6e8, "ds_bf16_reduce_scatter_world": 1.5e8}
+                                 if cfg == "zero3" else {"sdp4bit_gradients_inter": nb / 2,
+                                                         "sdp4bit_weights_inter": nb / 2,
+                                                         "sdp4bit_gradients_intra": 1e9})})
+    return rows, [], C, e
+
+
+def test_bytes_counted_at_one_rate_serve_the_others_and_nvlink_runs_are_the_fast_end():
+    """A row without a count takes its bytes from a counted run of the same config, model and topology at another
+    rate (ZeRO++ with hpZ across logical nodes has no formula, so only that way it joins the fit); a logical-nodes
+    fit takes the host's NVLink runs as points with nothing on the link, and a config without such a point does
+    not validate (knob rows fix (1 - phi) c, not c: its fast-link step would be extrapolated)."""
+    rows, link_rows, C, e = _nodes_rows()
+    P = 1e8   # ZeRO-3 counted to gather the model once per step (the synthetic rows' formula bytes assume it)
+    counts = [{"model": "406M", "config": "zero3", "n_params": P, "wire_counted_per_step": {
+        "all_gather_into_tensor@2:intra": 2 * P / 2, "reduce_scatter_tensor@2:intra": 2 * P / 2}}]
+    zp = [dict(r, row_id=r["row_id"].replace("zero3", "zeropp"), config="zeropp", variant="zeropp",
+               wire_bytes_per_step={"zeropp_int8_allgather_world": 1e8}) for r in rows if r["config"] == "zero3"]
+    assert projection.link_bytes(zp[0], [], rows + zp)[0] is None          # nobody counted it
+    counted = dict(zp[0], wire_counted_total=5e8, wire_counted_inter=2e8, created="2026-11-26T09:00:00")
+    others = zp[1:]
+    b, src = projection.link_bytes(others[0], [], rows + [counted] + others)
+    assert b == 2e8 and src.startswith("counted in") and "another rate" in src
+    other_topo = next(r for r in others if r["topology"] != counted["topology"])
+    assert projection.link_bytes(other_topo, [], rows + [counted] + others)[0] is None   # not its twin
+    # the fast end: without NVLink points every config lacks it
+    res = projection.fit_and_check(rows, link_rows, "topology:4x1", "4 GPUs, nodes", counts)
+    assert res["max_error"] < 0.01
+    assert any("nothing on the link" in p for p in projection.problems(res, ("zero3", "sdp4bit/full")))
+    fast = []
+    for cfg, (nb, c, phi) in NODES_TRUTH.items():
+        base = dict(next(r for r in rows if r["config"] == cfg and r["topology"] == "2x2"), link_gbps=None,
+                    link_measured_gbps=None, link_probe=None, mode="4 GPUs, nvlink", ms_per_step=c * C)
+        fast.append(dict(base, row_id=f"v/{cfg}"))
+    one_node = dict(fast[1], row_id="v/sdp1x4", topology="1x4", nodes=1, gpus_per_node=4, ms_per_step=999.0)
+    z3_one = dict(fast[0], row_id="v/z31x4", topology="1x4", nodes=1, gpus_per_node=4, topology_independent=True)
+    assert projection.nvlink_point(fast[0], "4 GPUs, nodes") and projection.nvlink_point(z3_one, "4 GPUs, nodes")
+    assert not projection.nvlink_point(one_node, "4 GPUs, nodes")      # one node: SDP4Bit is off there
+    assert not projection.nvlink_point(fast[0], projection.SHARE)
+    res = projection.fit_and_check(rows + fast + [one_node, z3_one], link_rows, "topology:4x1", "4 GPUs, nodes",
+                                   counts)
+    ids = {p.row_id for p in res["points"]}
+    assert {"v/zero3", "v/sdp4bit", "v/z31x4"} <= ids and "v/sdp1x4" not in ids
+    assert all(p.X == 0 for p in res["points"] if p.row_id.startswith("v/"))
+    assert projection.validated(res, ("zero3", "sdp4bit/full")), projection.problems(res, ("zero3", "sdp4bit/full"))
+    for cfg, (nb, c, phi) in NODES_TRUTH.items():
+        key = "sdp4bit/full" if cfg == "sdp4bit" else cfg
+        assert res["fit"].c[key] == pytest.approx(c, rel=0.02) and res["fit"].phi[key] == pytest.approx(phi, abs=0.03)
+    text = "\n".join(projection.fit_lines(res, ("zero3", "sdp4bit/full")))
+    assert "NOT VALIDATED" not in text
+    # repeats at NVLink are listed with the noise floor they set
+    again = dict(z3_one, row_id="v/z31x4b", run_id="other", ms_per_step=2 * C)
+    res = projection.fit_and_check(rows + fast + [z3_one, again], link_rows, "topology:4x1", "4 GPUs, nodes",
+                                   counts)
+    assert any(rp["gbps"] and not math.isfinite(rp["gbps"][0]) for rp in res["repeats"])
+    assert "NVLink: 300 ms" in "\n".join(projection.fit_lines(res, ("zero3",)))
+
+
 def test_bytes_on_the_link_per_mode_and_the_nodes_fit():
     """What a row puts on the shaped link: counted where it counted; else SDP4Bit's own bytes and DeepSpeed's
     formula with its gathers as often as a count of the model says; in --transport nodes only what crosses nodes.
@@ -521,22 +598,7 @@ def test_bytes_on_the_link_per_mode_and_the_nodes_fit():
     zpp = dict(nodes, config="zeropp", wire_bytes_per_step={"zeropp_int8_allgather_world": 1e8})
     assert projection.link_bytes(zpp, counts)[0] is None                 # hpZ across logical nodes: no formula
     # nodes rows: knob rows only, fitted on 2x2, checked on 4x1; share rows stay out of that fit
-    rows, link_rows = [], []
-    C, e = 300.0, 1.0
-    for topo, fb in (("2x2", 1.0), ("4x1", 3.0)):
-        for cfg, nb, c, phi in (("zero3", 3e8 * 1.5, 1.0, 0.5), ("sdp4bit", 3e7 * fb, 1.2, 0.2)):
-            for g in (1.0, 2.0, 5.0):
-                X = nb * 8 / (g * 1e9) * 1e3
-                rows.append({"row_id": f"n/{topo}_{cfg}_{g}", "run_id": f"n{g}", "status": "ok", "config": cfg,
-                             "variant": cfg, "replica": "full" if cfg == "sdp4bit" else None, "model": "406M",
-                             "topology": topo, "ranks": 4, "gpus_per_node": int(topo[-1]), "bound_ms": C,
-                             "ms_per_step": float(projection.step_ms(C, X, c, phi, e)), "link_gbps": g,
-                             "link_measured_gbps": g, "link_probe": True, "mode": "4 GPUs, nodes",
-                             "wire_bytes_total": 1.0, "wire_bytes_per_step": (
-                                 {"ds_bf16_allgather_world": 6e8, "ds_bf16_reduce_scatter_world": 1.5e8}
-                                 if cfg == "zero3" else {"sdp4bit_gradients_inter": nb / 2,
-                                                         "sdp4bit_weights_inter": nb / 2,
-                                                         "sdp4bit_gradients_intra": 1e9})})
+    rows, link_rows, C, e = _nodes_rows()
     off = dict(rows[0], row_id="n/off", link_gbps=None, ms_per_step=1.0)   # unshaped: no rate of its own
     share = dict(rows[0], row_id="s/x", mode="share-GPU sockets", ms_per_step=1.0)
     split = projection.default_split("4 GPUs, nodes", rows)
