@@ -14,7 +14,8 @@ The model (per config k: ``zero3``, ``zeropp``, ``sdp4bit/full``, ``sdp4bit/node
   bytes crossing one node's link, ``deepspeed_sdp4bit/step_bytes.py``) x 8 / the link rate.  Rows are fitted per
   mode (:func:`family`): with ranks sharing a GPU every byte of every level goes over the rank's own (shaped) TCP
   link; on a multi-GPU host's logical nodes (``e2e --transport nodes``) only what crosses nodes does, and only
-  knob rows count there.  The rate is the one ``linkrate`` measured for that setting (``link_measured_gbps``),
+  knob rows count there, besides the host's NVLink runs as points with nothing on the slow link
+  (:func:`nvlink_point`).  The rate is the one ``linkrate`` measured for that setting (``link_measured_gbps``),
   else the requested one (said so); a share-GPU row without the knob counts only with the rate measured inside
   its own run (``e2e --probe-link``): the loopback's own rate differs from call to call.
   ``e``: the fraction of that rate the training's collectives get, one for all configs.
@@ -149,10 +150,13 @@ def all_on_link(row: dict) -> bool:
 
 
 def _byte_twin(r: dict) -> tuple:
-    """What fixes the bytes a rank sends per step: the mode, model, shape of the batch, topology and config (with
-    its replica); not the link rate, which only sets how long they take."""
+    """What fixes the bytes a rank sends per step: the mode, model, shape of the batch, topology and config (its
+    name with the replica, its full snapshot, and the bytes the engine's own model gives); not the link rate,
+    which only sets how long they take."""
+    snap = json.dumps(r.get("config_snapshot"), sort_keys=True)
+    wire = json.dumps(r.get("wire_bytes_per_step"), sort_keys=True)
     return (family(r), r.get("model"), r.get("micro_batch"), r.get("seq"), r.get("topology"), r.get("ranks"),
-            r.get("gpus_per_node"), fit_key(r))
+            r.get("gpus_per_node"), fit_key(r), snap, wire)
 
 
 def twin_count(r: dict, rows: Sequence[dict]) -> Optional[dict]:
@@ -161,7 +165,7 @@ def twin_count(r: dict, rows: Sequence[dict]) -> Optional[dict]:
     key = _byte_twin(r)
     got = [x for x in rows if x is not r and x.get("wire_counted_total") is not None and x.get("status") == "ok"
            and _byte_twin(x) == key]
-    return max(got, key=lambda x: str(x.get("created") or x.get("run_id") or "")) if got else None
+    return max(got, key=lambda x: str(x.get("created") or "")) if got else None
 
 
 def _counted(r: dict) -> float:
@@ -169,9 +173,9 @@ def _counted(r: dict) -> float:
 
 
 def link_bytes(r: dict, counts: Sequence[dict], rows: Sequence[dict] = ()) -> Tuple[Optional[float], str]:
-    """Bytes one rank sends per step over the link the knob shapes, and where the number comes from (ZeRO++'s
-    int8 gathers are taken as often as ZeRO-3's were counted: the same coordinator decides when a parameter is
-    released; ZeRO++ itself was not counted).
+    """Bytes one rank sends per step over the link the knob shapes, and where the number comes from (in the
+    formula, ZeRO++'s int8 gathers are taken as often as ZeRO-3's were counted: the same coordinator decides when a
+    parameter is released).
 
     Counted where the run counted: ``wire_counted_total`` where every byte crosses the link (:func:`all_on_link`),
     ``wire_counted_inter`` (collectives whose group spans NCCL hosts) on logical nodes; else as counted by another
@@ -317,7 +321,7 @@ class Fit:
     n_fit: Dict[str, int] = field(default_factory=dict)
     loss: float = 0.0
     at_bound: List[str] = field(default_factory=list)   # parameters that ended on an edge of their search range
-    compute_seen: Dict[str, bool] = field(default_factory=dict)   # a fitted point with nothing on the link
+    compute_seen: Dict[str, int] = field(default_factory=dict)   # fitted runs with nothing on the link
 
     def predict(self, p: Point) -> Optional[float]:
         if p.key not in self.c:
@@ -379,7 +383,7 @@ def fit(pts: Sequence[Point], e_range=(0.05, 2.0), c_range=(0.2, 4.0)) -> Fit:
         if min(abs(c - c_range[0]), abs(c - c_range[1])) < 1e-6 * c_range[1]:
             edge.append(f"{k}: c = {c:.3f}")
     return Fit(e, cs, phs, {k: len(v) for k, v in by.items()}, tot, edge,
-               {k: any(p.X == 0 for p in v) for k, v in by.items()})
+               {k: len({p.row_id.split("/")[0] for p in v if p.X == 0}) for k, v in by.items()})
 
 
 def check(f: Fit, pts: Sequence[Point]) -> List[dict]:
@@ -548,14 +552,16 @@ def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     if res["fit"].at_bound:
         out.append("a parameter lies on its range's edge")
     checked = {c["key"] for c in res["check_rows"] if c["rel"] is not None}   # a config the fit has no
-    nodes = res.get("family", SHARE) != SHARE
+    nodes = str(res.get("family", SHARE)).endswith(", nodes")
     for k in keys:                                                             # parameters for is not checked
         n = res["fit"].n_fit.get(k, 0)
         why = ([f"{n} fitted row(s), 3 needed"] if n < 3 else []) + (["no checked row"] if k not in checked else [])
-        if nodes and n and not res["fit"].compute_seen.get(k):
+        if nodes and n and res["fit"].compute_seen.get(k, 0) < 2:
             # knob rows are link-bound: they fix (1 - phi) c, not c, so the step on a fast link (and the rate where
-            # SDP4Bit stops paying) would be extrapolated; an NVLink row of the config measures it
-            why.append("no fitted row with nothing on the link (its step on a fast link is not measured)")
+            # SDP4Bit stops paying) would be extrapolated; NVLink runs of the config bound it (two runs at least:
+            # one run's step carries the host's run-to-run noise)
+            why.append(f"{res['fit'].compute_seen.get(k, 0)} fitted run(s) with nothing on the link, 2 needed "
+                       "(its step on a fast link is not measured)")
         if why:
             out.append(f"{k}: " + ", ".join(why))
     return out
@@ -653,8 +659,9 @@ def main(argv=None):
         print("\n".join(fit_lines(res, keys)))
         out["validated"] = validated(res, keys)
         out["fit"] = f.as_dict()
-        out["check_rows"], out["max_check_error"], out["max_error"] = (res["check_rows"], res["max_check_error"],
-                                                                      res["max_error"])
+        out["check_rows"] = [dict(c, gbps=c["gbps"] if math.isfinite(c["gbps"]) else None)   # JSON has no inf
+                             for c in res["check_rows"]]
+        out["max_check_error"], out["max_error"] = res["max_check_error"], res["max_error"]
         if not out["validated"] and not args.force:
             print("\nNo projection printed: the model does not fit the measured points well enough to project "
                   "(above). --force prints it anyway.")

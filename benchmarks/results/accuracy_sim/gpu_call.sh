@@ -17,12 +17,13 @@ echo "built at $SECONDS s"
 # --steps 500 --eval-batches 4 --probe-every 25")
 SIM_MODEL=${SIM_MODEL:-"--d-model 768 --layers 12 --heads 12 --seq 1024 --micro-batch 8 --lr 6e-4 --steps 500 --eval-batches 8 --probe-every 50"}
 COMMON="--device cuda --backend auto --threads 2 --deterministic $SIM_MODEL --bucket-size 50000000 --ref-cache /tmp/sim_ref --verbose"
-# the JOBs are dealt round-robin over the host's GPUs (one GPU: all on it)
-ngpu=$(nvidia-smi -L | wc -l); [ "$ngpu" -ge 1 ] || ngpu=1
+# the JOBs are dealt round-robin over the GPUs the call may use: CUDA_VISIBLE_DEVICES if set, else every GPU
+IFS=, read -ra gpus <<< "${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)}"
+[ "${#gpus[@]}" -ge 1 ] || gpus=(0)
 i=0; pids=()
 for job in "$@"; do
   i=$((i+1))
-  CUDA_VISIBLE_DEVICES=$(( (i-1) % ngpu )) python3 -m benchmarks accuracy-sim $COMMON $job --out $OUT/sim_$i.json --deadline $((budget-SECONDS)) > $OUT/logs/job_$i.txt 2>&1 &
+  CUDA_VISIBLE_DEVICES=${gpus[$(( (i-1) % ${#gpus[@]} ))]} python3 -m benchmarks accuracy-sim $COMMON $job --out $OUT/sim_$i.json --deadline $((budget-SECONDS)) > $OUT/logs/job_$i.txt 2>&1 &
   pids+=($!)
 done
 wait "${pids[@]}"

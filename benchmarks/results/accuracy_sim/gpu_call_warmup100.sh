@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 21, tenth session: the 86M GPT with a 100-step warm-up (the 25-step one spiked in some seeds and the spikes
+# Issue 21, eleventh session: the 86M GPT with a 100-step warm-up (the 25-step one spiked in some seeds and the spikes
 # decided the 500-step gaps), 8 data seeds of ZeRO-3 and SDP4Bit (2x2, 4x1), 4 of the fp32-sum floor and of 8 bits
 # between nodes: 32 processes, 8 per GPU of a 4-GPU host ("main"); then the paper's ablations and the ZeRO++-like
 # config on the same seeds, 24 processes ("ablations").  usage: bash THIS COMMIT BUDGET_S main|ablations
