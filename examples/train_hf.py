@@ -181,8 +181,16 @@ def heldout_loss(model, dataset, batch: int, device) -> float:
     return tot / n
 
 
+def _rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if not args.resume and finished_steps(args.out) is not None:
+        # a new run beside another run's checkpoints: a later --resume would take whichever is latest
+        raise SystemExit(f"[train_hf] --out {args.out} already holds checkpoints of another run (the latest at step "
+                         f"{finished_steps(args.out)}): pass --resume to go on from it, or give an empty --out")
     with open(args.ds_config) as f:
         ds = apply_ds_set(json.load(f), args.ds_set)
     # Batch keys the Trainer fills from TrainingArguments: HF's "auto" placeholders (outside the sdp4bit block,
@@ -231,8 +239,10 @@ def main(argv=None) -> dict:
         done = finished_steps(args.out)
         if done is not None and done >= args.max_steps:
             # transformers would still run one more step past max_steps (and save checkpoint-<max_steps + 1>)
-            print(f"[train_hf] {args.out}: its latest checkpoint is at step {done}, which --max-steps "
-                  f"{args.max_steps} already reached: nothing to resume (raise --max-steps to train on)", flush=True)
+            if _rank0():
+                print(f"[train_hf] {args.out}: its latest checkpoint is at step {done}, which --max-steps "
+                      f"{args.max_steps} already reached: nothing to resume (raise --max-steps to train on)",
+                      flush=True)
             return {}
         log.losses = {int(k): v for k, v in (_read(args.out) or {}).get("losses", {}).items() if int(k) <= (done or 0)}
     trainer = Trainer(model=model, args=targs, train_dataset=train_ds, callbacks=[log])

@@ -110,3 +110,20 @@ def test_resume_continues_like_the_uninterrupted_run(runs):
     # resuming the finished run trained nothing and left its log and checkpoints alone
     assert runs["again"] == runs["resumed"]
     assert {p.name for p in runs["dir"].glob("checkpoint-*")} == {f"checkpoint-{HALF}", f"checkpoint-{2 * HALF}"}
+
+
+def test_a_new_run_refuses_an_out_dir_with_another_runs_checkpoints(tmp_path):
+    """Without --resume, checkpoints already in --out belong to another run (a later --resume would take whichever
+    is latest): refused before anything is built, naming the step and both ways out."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_hf", os.path.join(REPO, "examples", "train_hf.py"))
+    train_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_hf)
+    (tmp_path / "checkpoint-21").mkdir()
+    (tmp_path / "checkpoint-21" / "trainer_state.json").write_text(json.dumps({"global_step": 21}))
+    argv = ["--ds-config", os.path.join(REPO, "configs", "sdp4bit.json"), "--out", str(tmp_path), "--max-steps", "20"]
+    with pytest.raises(SystemExit, match=r"already holds checkpoints of another run \(the latest at step 21\): pass "
+                                         r"--resume to go on from it, or give an empty --out"):
+        train_hf.main(argv)   # (with --resume it goes on: the launched "again" run above)
+

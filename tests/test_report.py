@@ -121,6 +121,21 @@ def test_command_line_exit_status(tmp_path):
     assert p.returncode == 1 and "sdp4bit.seed" in p.stderr and "omit the key" in p.stderr
 
 
+def test_command_line_json_is_the_whole_stdout_even_where_deepspeed_warns(tmp_path):
+    """``--json`` and ``--keys`` are read by tools: DeepSpeed's import-time warning (here 'Setting accelerator to
+    CPU', without DS_ACCELERATOR on a machine without a GPU) goes to stderr in that process, not into the JSON."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("DS_ACCELERATOR", None)
+    args = [sys.executable, "-m", "deepspeed_sdp4bit", "--ds-config", str(CONFIGS / "sdp4bit.json"), "--world", "4",
+            "--gpus-per-node", "2", "--json"]
+    p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["world"] == 4
+    k = subprocess.run([sys.executable, "-m", "deepspeed_sdp4bit", "--keys"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert k.returncode == 0 and k.stdout.startswith("|"), k.stdout[:200]
+
+
 # ----- the bytes model --------------------------------------------------------------------------------------
 def test_zero3_rows_are_three_bf16_rings():
     P, shape = 1000003, TopologyShape(2, 4)
