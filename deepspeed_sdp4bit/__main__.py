@@ -298,6 +298,9 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
 
 
 def format_plan(p: Dict[str, Any]) -> str:
+    from .step_bytes import node_link_bytes
+    from .topology import TopologyShape
+
     lines = list(p["lines"])
     if "bytes" in p:
         lines.append("")
@@ -315,7 +318,13 @@ def format_plan(p: Dict[str, Any]) -> str:
             o = p["bytes"][other]
             ratio = s["totals"]["total"] / o["totals"]["total"] if o["totals"]["total"] else float("nan")
             link = (f"; across each node's link {s['node_link'] / o['node_link']:.3f}x" if o["node_link"] else "")
-            lines.append(f"  sdp4bit sends {ratio:.3f}x the bytes of {other} per GPU{link}")
+            # DeepSpeed may skip the backward gathers (below): the ratios with them left out too
+            fwd = [r for r in o["rows"] if not r["collective"].startswith("backward all-gather")]
+            once, once_link = sum(r["bytes"] for r in fwd), node_link_bytes(fwd, TopologyShape(*p["shape"]))
+            lower = (f" ({s['totals']['total'] / once:.3f}x" + (f", across the link {s['node_link'] / once_link:.3f}x"
+                                                                if once_link else "")
+                     + " where DeepSpeed skips its backward gathers)") if len(fwd) < len(o["rows"]) and once else ""
+            lines.append(f"  sdp4bit sends {ratio:.3f}x the bytes of {other} per GPU{link}{lower}")
         lines.append("  (ZeRO-3's and ZeRO++'s backward all-gathers are an upper bound: DeepSpeed skips them for "
                      "parameters it keeps from forward, those whose next use lies within "
                      "stage3_max_reuse_distance, 1e9 elements by default; counted, a 406M GPT was gathered once "

@@ -49,6 +49,17 @@ def test_linter_ok_prints_levels_and_bytes(capsys):
     assert "intra-node all-to-all over 8 ranks: 8-bit" in out and "inter-node all-to-all over 2 ranks: 4-bit" in out
     for scheme in ("zero3:", "zero++:", "sdp4bit:"):
         assert scheme in out
+    # each ratio with ZeRO-3's / ZeRO++'s backward gathers counted (an upper bound on their bytes) and without
+    import re
+    ratios = re.findall(r"sdp4bit sends ([\d.]+)x the bytes of zero3 per GPU; across each node's link ([\d.]+)x "
+                        r"\(([\d.]+)x, across the link ([\d.]+)x where DeepSpeed skips its backward gathers\)", out)
+    assert len(ratios) == 1, out
+    both, link, once, once_link = (float(x) for x in ratios[0])
+    assert once > both and once_link > link
+    p = report.plan(json.loads((CONFIGS / "sdp4bit.json").read_text()), 16, 8, int(1.3e9))
+    fwd = [r for r in p["bytes"]["zero3"]["rows"] if not r["collective"].startswith("backward all-gather")]
+    assert len(fwd) == len(p["bytes"]["zero3"]["rows"]) - 1
+    assert once == pytest.approx(p["bytes"]["sdp4bit"]["totals"]["total"] / sum(r["bytes"] for r in fwd), abs=1e-3)
 
 
 def test_plan_bytes_are_the_models():
