@@ -142,11 +142,16 @@ def ds_gathers(model: str, counts: Sequence[dict]) -> Optional[float]:
     return vol / (2 * r["n_params"]) if vol > 0 else None
 
 
+def logical_nodes(fam: str) -> bool:
+    """Whether a family (:func:`family`; for a host's row, its mode) is a multi-GPU host's logical nodes
+    (``e2e --transport nodes``: NVLink inside a node, the shaped link between)."""
+    return str(fam).endswith(", nodes")
+
+
 def all_on_link(row: dict) -> bool:
     """Whether every byte a rank sends crosses the shaped link: ranks sharing a GPU, CPU (gloo), and a multi-GPU
     host with NCCL's sockets or network transport; not ``--transport nodes`` (NVLink inside a logical node)."""
-    fam = family(row)
-    return fam == SHARE or not fam.endswith(", nodes")
+    return not logical_nodes(family(row))
 
 
 def _byte_twin(r: dict) -> tuple:
@@ -240,7 +245,7 @@ def nvlink_point(r: dict, fam: str) -> bool:
     host's ``--transport nvlink`` run of the same config with the nodes on NVLink, i.e. the family's limit of an
     unbounded link (compute alone). Topologies with several logical nodes qualify, and for a config that ignores
     the topology (ZeRO-3) a single node too."""
-    if fam == SHARE or not fam.endswith(", nodes") or family(r) != fam[:-len("nodes")] + "nvlink":
+    if not logical_nodes(fam) or family(r) != fam[:-len("nodes")] + "nvlink":
         return False
     return (r.get("nodes") or 1) > 1 or bool(r.get("topology_independent"))
 
@@ -552,15 +557,15 @@ def problems(res: dict, keys: Sequence[str] = PROJECTED) -> List[str]:
     if res["fit"].at_bound:
         out.append("a parameter lies on its range's edge")
     checked = {c["key"] for c in res["check_rows"] if c["rel"] is not None}   # a config the fit has no
-    nodes = str(res.get("family", SHARE)).endswith(", nodes")
+    nodes = logical_nodes(res.get("family", SHARE))
     for k in keys:                                                             # parameters for is not checked
-        n = res["fit"].n_fit.get(k, 0)
+        n, fast = res["fit"].n_fit.get(k, 0), res["fit"].compute_seen.get(k, 0)
         why = ([f"{n} fitted row(s), 3 needed"] if n < 3 else []) + (["no checked row"] if k not in checked else [])
-        if nodes and n and res["fit"].compute_seen.get(k, 0) < 2:
+        if nodes and n and fast < 2:
             # knob rows are link-bound: they fix (1 - phi) c, not c, so the step on a fast link (and the rate where
             # SDP4Bit stops paying) would be extrapolated; NVLink runs of the config bound it (two runs at least:
             # one run's step carries the host's run-to-run noise)
-            why.append(f"{res['fit'].compute_seen.get(k, 0)} fitted run(s) with nothing on the link, 2 needed "
+            why.append(f"{fast} fitted run(s) with nothing on the link, 2 needed "
                        "(its step on a fast link is not measured)")
         if why:
             out.append(f"{k}: " + ", ".join(why))

@@ -181,16 +181,13 @@ def heldout_loss(model, dataset, batch: int, device) -> float:
     return tot / n
 
 
-def _rank0() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if not args.resume and finished_steps(args.out) is not None:
+    done = finished_steps(args.out)   # the latest checkpoint's step in --out, None without one
+    if not args.resume and done is not None:
         # a new run beside another run's checkpoints: a later --resume would take whichever is latest
         raise SystemExit(f"[train_hf] --out {args.out} already holds checkpoints of another run (the latest at step "
-                         f"{finished_steps(args.out)}): pass --resume to go on from it, or give an empty --out")
+                         f"{done}): pass --resume to go on from it, or give an empty --out")
     with open(args.ds_config) as f:
         ds = apply_ds_set(json.load(f), args.ds_set)
     # Batch keys the Trainer fills from TrainingArguments: HF's "auto" placeholders (outside the sdp4bit block,
@@ -236,10 +233,9 @@ def main(argv=None) -> dict:
 
     log = LossLog(stop_at=args.stop_at)
     if args.resume:
-        done = finished_steps(args.out)
         if done is not None and done >= args.max_steps:
             # transformers would still run one more step past max_steps (and save checkpoint-<max_steps + 1>)
-            if _rank0():
+            if int(os.environ.get("RANK", "0")) == 0:
                 print(f"[train_hf] {args.out}: its latest checkpoint is at step {done}, which --max-steps "
                       f"{args.max_steps} already reached: nothing to resume (raise --max-steps to train on)",
                       flush=True)
