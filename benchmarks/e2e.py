@@ -84,6 +84,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                             "rank count take their link_measured_gbps from it (rows in OUT/linkrate.json)")
     p.add_argument("--probe-mb", type=float, default=64.0, help="MiB per rank and collective of --probe-link")
     p.add_argument("--probe-seconds", type=float, default=1.0, help="seconds per collective of --probe-link")
+    p.add_argument("--paired", action="store_true",
+                   help="time the two --configs in ONE process per (model, topology), their steps alternating "
+                        "A B B A ... (train_gpt.py --paired-ds-config): each row gets `paired` (the per-step ratio "
+                        "to its partner: median, mean and standard error of the log ratio), for a ratio that the "
+                        "spread between processes would hide; no peak memory, no byte count, not a bound")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="profile the last N steps of each run (train_gpt.py --profile-steps): rank 0's Chrome "
+                        "trace and top ops come back in OUT/<run id>_profiles/")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for train_gpt.py (repeat; e.g. --train-arg=--zero-init)")
 
@@ -126,7 +134,7 @@ def _find_bound(model: str, gpu: Optional[str], rows: List[dict], gpu_count: Opt
     number of GPUs (``gpu_count``, the same kind of machine) where one exists."""
     cands = [r for r in rows if r.get("config") == "zero3" and r.get("topology") == "1x1"
              and r.get("model") == model and r.get("status") == "ok" and r.get("gpu") == gpu
-             and r.get("ms_per_step")]
+             and r.get("ms_per_step") and not r.get("paired_with")]   # a paired row shared its process
     same_kind = [r for r in cands if gpu_count is not None and r.get("gpu_count") == gpu_count]
     return max(same_kind or cands, key=lambda r: r.get("created", "")) if cands else None
 
@@ -171,6 +179,10 @@ def run(args) -> int:
     if args.warmup < 1 or (args.warmup_slow is not None and args.warmup_slow < 1):
         raise SystemExit("e2e: --warmup and --warmup-slow must be >= 1 (the first step includes one-time work)")
     variants = [suite.Variant.parse(c) for c in args.configs]
+    if args.paired and len(variants) != 2:
+        raise SystemExit(f"e2e: --paired times two configs against each other; got {len(variants)} ({args.configs})")
+    if args.profile_steps < 0:
+        raise SystemExit(f"e2e: --profile-steps must be >= 0, got {args.profile_steps}")
     try:
         rates = [link.parse_gbps(g) for g in args.link_gbps] if args.link_gbps else [None]
         threads, nsocks = link.parse_sockets(args.nccl_sockets)
@@ -239,13 +251,16 @@ def run(args) -> int:
             if args.probe_link and world > 1 and not (cpu or share or hosts):
                 raise SystemExit("e2e: --probe-link measures the sockets of share-GPU ranks, of the nodes of "
                                  f"--transport nodes (or gloo on CPU); topology {topo} runs one rank per GPU here")
-            for v in variants:
-                slow = v.config in args.slow
+            for v in variants[:1] if args.paired else variants:
+                partner = variants[1] if args.paired else None
+                slow = v.config in args.slow or (partner is not None and partner.config in args.slow)
                 warmup = args.warmup_slow if slow and args.warmup_slow is not None else args.warmup
-                steps = warmup + (args.timed_slow if slow else args.timed)
+                n_timed = args.timed_slow if slow else args.timed
+                # --profile-steps: that many more steps after the timed ones (the profiler slows the steps it records)
+                steps = warmup + n_timed + args.profile_steps
                 name = (f"{model}_{topo}_{v.label.replace(':', '-')}" + (f"_{link.label(gbps)}g" if args.link_gbps
                                                                          else "")
-                        + (f"_d{delay:g}us" if delay else ""))
+                        + (f"_d{delay:g}us" if delay else "") + ("_paired" if partner else ""))
                 row = {"row_id": f"{run_id}/{name}", "run_id": run_id, "created": meta["created"],
                        "commit": meta["commit"], "gpu": gpu, "gpu_count": n_gpus,
                        "machine": suite.device_label(meta["machine"]),
@@ -268,7 +283,7 @@ def run(args) -> int:
                 # Nothing of this run depends on the node layout (no sdp4bit block, no hpZ size, no per-rank
                 # GPU split): ZeRO-3 and ZeRO++ in share-GPU mode.  Such a run is measured once per call and
                 # model and rank count, and its row stands for every topology with those ranks.
-                row["topology_independent"] = (not one_gpu_flag and not hosts
+                row["topology_independent"] = (not one_gpu_flag and not hosts and partner is None
                                                and all(v.ds_set(g, share) == ds_set for g in (1, 2, 3)))
                 ikey = (model, v.label, world, rpg, gbps)
                 if row["topology_independent"] and ikey in independent:
@@ -299,12 +314,23 @@ def run(args) -> int:
                          "--heads", str(shape["heads"]), "--seq", str(args.seq),
                          "--micro-batch", str(args.micro_batch), "--steps", str(steps), "--random-tokens",
                          "--eval-every", "0", "--eval-batches", "0", "--torch-adam", "yes",
-                         "--log-flush", "1",  # a config killed at its timeout keeps the steps it timed
-                         "--count-wire-bytes"]  # bytes each rank sent, counted per step (wire_counted_*)
-                for kv in ds_set:
+                         "--log-flush", "1"]  # a config killed at its timeout keeps the steps it timed
+                # every parameter of d64 is below ZeRO-3's persistence threshold
+                extra = ["zero_optimization.stage3_param_persistence_threshold=0"] if model == "tiny" else []
+                # the partner's: its own, then what applies to the whole run (as the primary's --ds-set below)
+                partner_sets = (partner.ds_set(gpn, share) + extra + suite.ds_sets_of(args.train_arg)
+                                if partner else [])
+                if partner is None:   # bytes each rank sent, counted per step (wire_counted_*)
+                    targs.append("--count-wire-bytes")
+                else:
+                    targs += ["--paired-ds-config", str(partner.path())]
+                    for kv in partner_sets:
+                        targs += ["--paired-ds-set", kv]
+                if args.profile_steps:
+                    targs += ["--profile-steps", str(args.profile_steps),
+                              "--profile-dir", str(out / f"{run_id}_profiles")]
+                for kv in ds_set + extra:
                     targs += ["--ds-set", kv]
-                if model == "tiny":  # every parameter of d64 is below ZeRO-3's persistence threshold
-                    targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
                 if one_gpu_flag:
                     targs.append("--one-gpu-per-rank")
                 targs += list(args.train_arg)
@@ -322,7 +348,8 @@ def run(args) -> int:
                 print(f"[e2e] {name}: {steps} steps, timeout {timeout:.0f} s", flush=True)
                 rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
                 row.update(rc=rc, wall_s=round(wall, 1))
-                row.update(_summarize(log_json, warmup, v, world, gpn))
+                row["timed_steps_requested"] = n_timed
+                row.update(_summarize(log_json, warmup, v, world, gpn, n_timed=n_timed))
                 if gbps is not None or delay:
                     row["link_stats"] = link.stats_summary(link.read_stats(stats_dir))
                 m = probed
@@ -344,7 +371,16 @@ def run(args) -> int:
                 if short:
                     row["link_stats_short"] = short
                     print(f"[e2e] {name}: WARNING {short}", flush=True)
+                trace = out / f"{run_id}_profiles" / f"{name}.trace.json.gz"
+                if not (args.profile_steps and trace.is_file()):
+                    trace = None
+                else:
+                    row["profile"] = [x for x in summarize_trace(trace) if x["tag"] == "A"]
+                    row["profile_trace"] = trace.name
                 rows.append(row)
+                if partner is not None:
+                    snap = suite.config_snapshot(suite.apply_ds_set(partner.load(), partner_sets), None, parse_block)
+                    rows.append(_partner_row(row, partner, snap, log_json, warmup, world, gpn, trace))
                 if row["topology_independent"]:
                     independent[ikey] = row
                 set_bound(row, bound_rows())
@@ -352,7 +388,8 @@ def run(args) -> int:
                        if row.get("ms_per_step") else f"{row['status']} (rc {rc})")
                 print(f"[e2e] {name}: {msg}, wall {wall:.0f} s", flush=True)
                 suite.write_json(res_file, doc)
-                suite.merge_rows(results, [r for r in rows if r["row_id"] == row["row_id"]])
+                suite.merge_rows(results, [r for r in rows if r["row_id"] == row["row_id"]
+                                           or r.get("paired_with") == row["row_id"]])
     suite.write_json(res_file, doc)
     suite.merge_rows(results, rows)
     suite.pack_logs(work, out / f"{run_id}_logs.tar.gz")
@@ -360,13 +397,98 @@ def run(args) -> int:
     return 0 if all(r.get("status") in ("ok", "skipped") for r in rows) else 1
 
 
-def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: int) -> dict:
-    """Numbers of one train_gpt.py log (see the module docstring)."""
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent")
+
+
+def summarize_trace(path: Path) -> List[dict]:
+    """Per profiled step of a train_gpt.py ``--profile-steps`` Chrome trace (the ``train_step N TAG`` marks; TAG A
+    is the --ds-config engine, B the paired one): ``wall_ms``, ``gpu_busy_ms`` (the union of the GPU's kernel,
+    memcpy and memset intervals inside the step: the time the GPU worked), ``gpu_busy_fraction``, ``kernels`` and
+    ``cpu_sync_ms`` (the host's time in CUDA synchronize calls: waiting for the GPU)."""
+    import gzip
+    doc = json.loads(gzip.open(path).read() if str(path).endswith(".gz") else Path(path).read_text())
+    ev = [e for e in (doc.get("traceEvents", []) if isinstance(doc, dict) else doc)
+          if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in GPU_EVENTS)
+    syncs = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
+             and e.get("name") in SYNC_CALLS]
+    out = []
+    for e in sorted((e for e in ev if e.get("cat") == "user_annotation"
+                     and str(e.get("name", "")).startswith("train_step ")), key=lambda e: e["ts"]):
+        t0, t1 = e["ts"], e["ts"] + e["dur"]
+        busy, end, n = 0.0, t0, 0
+        for a, b in gpu:   # sorted by start: a running union clipped to the step
+            a, b = max(a, t0), min(b, t1)
+            if b <= a:
+                continue
+            n += 1
+            if b > end:
+                busy += b - max(a, end)
+                end = b
+        _, step, tag = e["name"].split()
+        out.append({"step": int(step), "tag": tag, "wall_ms": e["dur"] / 1e3, "gpu_busy_ms": busy / 1e3,
+                    "gpu_busy_fraction": busy / e["dur"] if e["dur"] else None, "kernels": n,
+                    "cpu_sync_ms": sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in syncs) / 1e3})
+    return out
+
+
+PAIRED_KEYS = {"ms": "paired_ms", "loss": "paired_loss", "sdp4bit": "paired_sdp4bit"}
+
+
+def _partner_row(row: dict, partner: suite.Variant, snapshot: dict, log_json: Path, warmup: int, world: int,
+                 gpn: int, trace: Optional[Path] = None) -> dict:
+    """``--paired``: the row of the second config, timed in ``row``'s process; both rows get ``paired_with`` (the
+    other's id) and ``paired`` (:func:`paired_stats` of their own steps over the other's); ``trace``: the run's
+    --profile-steps trace, whose B steps are the partner's ``profile``."""
+    name = row["row_id"].rsplit("/", 1)[1].replace(f"_{row['variant'].replace(':', '-')}_",
+                                                   f"_{partner.label.replace(':', '-')}_", 1)
+    other = dict(row, row_id=f"{row['run_id']}/{name}", config=partner.config, variant=partner.label,
+                 replica_requested=partner.replica, default=partner.is_default, config_snapshot=snapshot)
+    for k in ("ms_per_step", "ms_min", "ms_max", "tokens_per_s", "timed_steps", "wire_bytes_per_step",
+              "wire_bytes_total", "loss_last", "replica", "steps_ms", "error"):
+        other.pop(k, None)
+    if row.get("status") == "ok" or log_json.is_file():
+        got = _summarize(log_json, warmup, partner, world, gpn, paired=True, n_timed=row.get("timed_steps_requested"))
+        other.update(got)
+        if row.get("status") != "ok":
+            other["status"] = row["status"]
+    if trace is not None:
+        other["profile"] = [x for x in summarize_trace(trace) if x["tag"] == "B"]
+    for a, b in ((row, other), (other, row)):
+        a["paired_with"] = b["row_id"]
+        a.pop("peak_mem_bytes", None)   # both engines share the process: neither one's peak
+        n = a.get("timed_steps_requested")
+        a["paired"] = paired_stats((a.get("steps_ms") or [])[:warmup + n], (b.get("steps_ms") or [])[:warmup + n], warmup)
+    return other
+
+
+def paired_stats(ms: List[float], other_ms: List[float], warmup: int) -> Optional[dict]:
+    """Step by step, ``ms`` over ``other_ms`` (two engines of one process, steps alternating), past ``warmup``:
+    ``n``, ``ratio_median``, ``log_ratio_mean`` and its standard error ``log_ratio_se`` (natural log), or None with
+    fewer than 2 steps."""
+    import math
+    logs = [math.log(a / b) for a, b in zip(ms[warmup:], other_ms[warmup:]) if a > 0 and b > 0]
+    if len(logs) < 2:
+        return None
+    mean = sum(logs) / len(logs)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+    return {"n": len(logs), "ratio_median": math.exp(suite.median(logs)), "log_ratio_mean": mean,
+            "log_ratio_se": sd / math.sqrt(len(logs)), "order": "A B B A ... (each first in every other step)"}
+
+
+def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: int, paired: bool = False,
+               n_timed: Optional[int] = None) -> dict:
+    """Numbers of one train_gpt.py log (see the module docstring) over its ``n_timed`` steps after ``warmup`` (all
+    after it when None; --profile-steps come after those); ``paired``: of its --paired-ds-config engine."""
     if not log_json.is_file():
         return {"status": "failed"}
     doc = json.loads(log_json.read_text())
     meta, steps, final = doc.get("meta", {}), doc.get("steps", []), doc.get("final") or {}
-    timed = steps[warmup:]
+    if paired:
+        steps = [dict(r, **{k: r.get(p) for k, p in PAIRED_KEYS.items()}) for r in steps]
+        meta = dict(meta, sdp4bit_replica=meta.get("paired_sdp4bit_replica"))
+    timed = steps[warmup:None if n_timed is None else warmup + n_timed]
     out: dict = {"n_params": meta.get("n_params"), "steps_done": len(steps),
                  "versions": meta.get("versions"), "env": meta.get("env"),
                  "replica": meta.get("sdp4bit_replica"), "steps_ms": [round(r["ms"], 2) for r in steps]}

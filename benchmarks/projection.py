@@ -257,8 +257,10 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict], fam: str = SHARE,
     NVLink runs as points with nothing on the link (:func:`nvlink_point`: ``X = 0``, rate ``inf``)."""
     out, skipped = [], []
     for r in rows:
-        if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2 or r.get("reused_from"):
-            continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again
+        if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2 or r.get("reused_from") \
+                or r.get("paired_with"):
+            continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again; a
+            # paired one (e2e --paired) shared its process with another engine
         if nvlink_point(r, fam) and r.get("bound_ms"):
             out.append(Point(fit_key(r), r["model"], r["topology"], float(r["bound_ms"]), 0.0, math.inf, NVLINK,
                              float(r["ms_per_step"]), r.get("row_id", ""), None, "none on a shaped link"))

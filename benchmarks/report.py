@@ -220,7 +220,7 @@ def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict]
     share-GPU mode) stands for every topology with the same number of ranks.
     """
     same = [b for b in _ok(rows) if b.get("config") == config and b.get("variant") == config
-            and link.settings_of(b) == link.settings_of(r)
+            and link.settings_of(b) == link.settings_of(r) and bool(b.get("paired_with")) == bool(r.get("paired_with"))
             and b.get("model") == r.get("model") and (b.get("topology") == r.get("topology") or (
                 b.get("topology_independent") and b.get("ranks") == r.get("ranks")))]
     in_run = [b for b in same if b.get("run_id") == r.get("run_id")]
@@ -912,19 +912,37 @@ def _world1_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, s
 
 def _one_node_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
     """The same as at world size 1 for one node of a multi-GPU host (1xG on NVLink), where SDP4Bit is off too."""
-    cands = one_per_run([r for r in host_rows(rows, today) if link.unshaped(r)
-                         and suite.parse_topology(r["topology"])[0] == 1], today)
+    one = [r for r in host_rows(rows, today) if link.unshaped(r) and suite.parse_topology(r["topology"])[0] == 1]
+    cands = [r for m in sorted({r["model"] for r in one}) for r in one_per_run([r for r in one if r["model"] == m], today)]
     return _same_code_goal(cands, rows, today)
+
+
+def _paired_verdict(r: dict) -> Tuple[str, str]:
+    """A paired row's (``e2e --paired``: both engines in one process, steps alternating) measured text and verdict
+    from its per-step log ratios to ZeRO-3: met when exp(mean + 2 SE) <= GOAL_WORLD1, not met when exp(mean - 2 SE)
+    > GOAL_WORLD1, otherwise not resolved."""
+    st = r["paired"]
+    lo, mid, hi = (math.exp(st["log_ratio_mean"] + k * st["log_ratio_se"]) for k in (-2, 0, 2))
+    v = "met" if hi <= GOAL_WORLD1 else "not met" if lo > GOAL_WORLD1 else "not resolved"
+    return (f"paired in one process, {st['n']} alternating steps: {100 * (mid - 1):+.2f}% "
+            f"({100 * (lo - 1):+.2f} .. {100 * (hi - 1):+.2f}%, 2 SE; median step ratio {st['ratio_median']:.4f})", v)
 
 
 def _same_code_goal(cands: Sequence[dict], rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
     """Each candidate default row against ZeRO-3 of its run, where both run the same code (SDP4Bit off), with each
     step's min-max: "not resolved" when the ratio is above the goal but the ranges, the goal's 1% allowed, overlap
-    (the run's own spread), or when the two medians are of unequal step counts."""
+    (the run's own spread), or when the two medians are of unequal step counts.  A paired row (``e2e --paired``)
+    is judged by its step-by-step ratios instead (:func:`_paired_verdict`)."""
     parts, verdicts = [], []
     for r in cands:
         b = _same_run(r, rows, "zero3")
         if not b:
+            continue
+        what = r["model"] + ("" if r.get("topology") == "1x1" else f" {r['topology']}")
+        if r.get("paired") and r.get("paired_with") == b.get("row_id"):
+            text, v = _paired_verdict(r)
+            verdicts.append(v)
+            parts.append(f"{what}: {text}: {v} ({_where(r)}, {_mark(r, today)})")
             continue
         q = r["ms_per_step"] / b["ms_per_step"]
         overlap = r.get("ms_min", r["ms_per_step"]) <= GOAL_WORLD1 * b.get("ms_max", b["ms_per_step"])
@@ -934,7 +952,6 @@ def _same_code_goal(cands: Sequence[dict], rows: Sequence[dict], today: Dict[str
         if n != nb:   # e.g. ZeRO-3 under e2e's --timed-slow: the two medians are not of the same kind
             v, why = "not resolved", f" (timed steps: {n} vs {nb})"
         verdicts.append(v)
-        what = r["model"] + ("" if r.get("topology") == "1x1" else f" {r['topology']}")
         parts.append(f"{what}: {r['ms_per_step']:.1f} ({r.get('ms_min', 0):.0f}-{r.get('ms_max', 0):.0f}) vs "
                      f"{b['ms_per_step']:.1f} ({b.get('ms_min', 0):.0f}-{b.get('ms_max', 0):.0f}) ms, "
                      f"{100 * (q - 1):+.2f}%: {v}{why} ({_where(r)}, {_mark(r, today)})")

@@ -176,6 +176,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--count-wire-bytes", action="store_true",
                    help="count the bytes this rank sends through torch.distributed collectives, per step "
                         "(examples/wire_count.py; every step's record gets wire_counted)")
+    b = p.add_argument_group("benchmarking (timing only)")
+    b.add_argument("--paired-ds-config", default=None, metavar="PATH",
+                   help="build a second engine from this ds_config (same model, seed and batches) and time the two "
+                        "in one process, their steps alternating A B B A ...: each step's record gets "
+                        "paired_ms / paired_loss / paired_first; for ratios of two configs that a run-to-run "
+                        "spread would hide (e.g. SDP4Bit off vs ZeRO-3); not with checkpoints, evaluation or "
+                        "--count-wire-bytes (both engines' traffic would mix)")
+    b.add_argument("--paired-ds-set", action="append", default=[], metavar="KEY=JSON",
+                   help="--ds-set for the --paired-ds-config")
+    b.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="torch.profiler over the last N steps (CPU and CUDA): rank 0 writes a Chrome trace and "
+                        "the top ops to --profile-dir")
+    b.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="where --profile-steps writes <log name>.trace.json.gz and <log name>.profile.txt")
     p.add_argument("--allow-no-sdp4bit-evidence", action="store_true",
                    help="run even when an sdp4bit config shows no sign of the integration after initialize")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -212,6 +226,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--stop-after must be below --steps ({a.steps}), got {a.stop_after}")
     if a.d_model % a.heads:
         p.error(f"--d-model ({a.d_model}) must be divisible by --heads ({a.heads})")
+    if a.paired_ds_set and not a.paired_ds_config:
+        p.error("--paired-ds-set needs --paired-ds-config")
+    if a.paired_ds_config and (a.checkpoint_dir or a.resume or a.count_wire_bytes or a.eval_every or a.eval_batches):
+        p.error("--paired-ds-config times two engines: it excludes --checkpoint-dir / --resume / "
+                "--count-wire-bytes, and needs --eval-every 0 --eval-batches 0")
+    if a.profile_steps < 0 or a.profile_steps > a.steps:
+        p.error(f"--profile-steps must be in [0, --steps={a.steps}], got {a.profile_steps}")
+    if bool(a.profile_steps) != bool(a.profile_dir):
+        p.error("--profile-steps and --profile-dir go together")
     return a
 
 
@@ -227,13 +250,16 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 
 # ----------------------------------------------------------------------------------------------- ds_config
 
-def build_ds_config(args: argparse.Namespace, notices: list) -> dict:
-    """The ds_config dict for this run: the file, the --ds-set overrides, then the batch/optimizer fields."""
-    with open(args.ds_config) as f:
+def build_ds_config(args: argparse.Namespace, notices: list, paired: bool = False) -> dict:
+    """The ds_config dict for this run: the file, the --ds-set overrides, then the batch/optimizer fields
+    (``paired``: the same from --paired-ds-config / --paired-ds-set)."""
+    path, sets = (args.paired_ds_config, args.paired_ds_set) if paired else (args.ds_config, args.ds_set)
+    with open(path) as f:
         cfg = json.load(f)
     if not isinstance(cfg, dict):
-        raise SystemExit(f"--ds-config {args.ds_config}: the file must hold a JSON object")
-    apply_ds_set(cfg, args.ds_set)
+        raise SystemExit(f"{'--paired-ds-config' if paired else '--ds-config'} {path}: the file must hold a JSON "
+                         "object")
+    apply_ds_set(cfg, sets)
     if "train_batch_size" in cfg:
         notices.append("train_batch_size removed from the ds_config (derived from --micro-batch/--grad-accum)")
         cfg.pop("train_batch_size")
@@ -339,6 +365,24 @@ class JsonLog:
         os.replace(tmp, self.path)
 
 
+def _write_profile(prof, args: argparse.Namespace, n_steps: int) -> None:
+    """--profile-steps: the Chrome trace (gzipped) and the top ops by self CPU and by self device time."""
+    import gzip
+    import shutil
+    stem = os.path.splitext(os.path.basename(args.log_json or "train_gpt"))[0]
+    os.makedirs(args.profile_dir, exist_ok=True)
+    base = os.path.join(args.profile_dir, stem)
+    prof.export_chrome_trace(base + ".trace.json")
+    with open(base + ".trace.json", "rb") as f, gzip.open(base + ".trace.json.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    os.remove(base + ".trace.json")
+    ka = prof.key_averages()
+    with open(base + ".profile.txt", "w") as f:
+        f.write(f"{n_steps} profiled step(s); times are totals over them\n\n")
+        for key in ("self_cpu_time_total",) + (() if ON_CPU else ("self_device_time_total",)):
+            f.write(f"== by {key}\n{ka.table(sort_by=key, row_limit=40)}\n")
+
+
 # ----------------------------------------------------------------------------------------------- main
 
 def evaluate(engine, samplers, n_batches: int, device) -> float:
@@ -406,22 +450,35 @@ def main(argv=None) -> dict:
 
     mcfg = GPTConfig(vocab=args.vocab, seq_len=args.seq, d_model=args.d_model, n_layers=args.layers,
                      n_heads=args.heads)
-    if args.zero_init:
-        dtype = (torch.bfloat16 if ds_config.get("bf16", {}).get("enabled")
-                 else torch.float16 if ds_config.get("fp16", {}).get("enabled") else torch.float32)
-        with deepspeed.zero.Init(config_dict_or_path=ds_config, dtype=dtype):
-            model = GPT(mcfg, seed=args.seed)
-    else:
-        model = GPT(mcfg, seed=args.seed)
-    # The tied head uses wte.weight outside the embedding's own forward: ZeRO-3 must gather it for the
-    # whole model forward (harmless for other stages).
-    deepspeed.zero.register_external_parameter(model, model.wte.weight)
-    n_params = count_params(model)
-    phase("build_model")
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    phase("deepspeed_initialize")
+    def build_engine(cfg: dict):
+        if args.zero_init:
+            dtype = (torch.bfloat16 if cfg.get("bf16", {}).get("enabled")
+                     else torch.float16 if cfg.get("fp16", {}).get("enabled") else torch.float32)
+            with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=dtype):
+                model = GPT(mcfg, seed=args.seed)
+        else:
+            model = GPT(mcfg, seed=args.seed)
+        # The tied head uses wte.weight outside the embedding's own forward: ZeRO-3 must gather it for the
+        # whole model forward (harmless for other stages).
+        deepspeed.zero.register_external_parameter(model, model.wte.weight)
+        n = count_params(model)
+        phase("build_model")
+        eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        phase("deepspeed_initialize")
+        return eng, n
+
+    engine, n_params = build_engine(ds_config)
+    paired = paired_config = None
+    if args.paired_ds_config:
+        paired_config = build_ds_config(args, notices, paired=True)
+        deepspeed_sdp4bit.parse_ds_config(paired_config)   # its errors too name the key, before the build
+        first = {k: phases[k] for k in ("build_model", "deepspeed_initialize")}
+        paired, _ = build_engine(paired_config)
+        phases["paired_engine"] = phases["build_model"] + phases["deepspeed_initialize"]
+        phases.update(first)
     summary_fn, summary_source = _find_summary(engine)
+    paired_summary_fn = _find_summary(paired)[0] if paired is not None else None
     evidence = _sdp4bit_evidence(engine) if sdp_cfg.active else None
     if sdp_cfg.active and evidence is None:
         msg = ("the ds_config enables sdp4bit, but after deepspeed.initialize neither the engine nor its "
@@ -475,6 +532,8 @@ def main(argv=None) -> dict:
         "env": {k: os.environ[k] for k in sorted(os.environ)
                 if k.startswith(("NCCL_", "DS_ACCELERATOR", "CUDA_VISIBLE", "OMP_NUM", "LOCAL_WORLD", "LOCAL_SIZE"))},
         "notices": notices, "startup_s": phases, "start_step": start_step,
+        "paired_ds_config": paired_config,
+        "paired_sdp4bit_replica": getattr(getattr(paired, "sdp4bit", None), "level", None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     })
     if rank == 0:
@@ -508,39 +567,63 @@ def main(argv=None) -> dict:
         raise SystemExit(f"train_gpt.py: --stop-after {args.stop_after} is not after the step the checkpoint "
                          f"resumed at ({start_step})")
     end_step = args.stop_after or args.steps
-    for step in range(start_step, end_step):
-        lr = lr_at(step, args)
-        for group in engine.optimizer.param_groups:
+
+    def train_step(eng, step: int, lr: float, tag: str):
+        """One optimizer step of ``eng``: (mean loss, whether a rank is past --stop-at-time, seconds)."""
+        for group in eng.optimizer.param_groups:
             group["lr"] = lr
         _sync()
-        sent0 = wire_count.snapshot() if args.count_wire_bytes else None
         t0 = time.perf_counter()
-        # [summed loss, ranks past --stop-at-time]: one all-reduce per step carries both, so every rank stops at
-        # the same step
-        acc = torch.zeros(2, dtype=torch.float32, device=device)
-        for sampler in train_list:  # replayed ranks in order (one unless --replay-ranks)
-            for micro in range(args.grad_accum):
-                x, y = sampler.batch(step, micro)
-                loss = engine(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-                engine.backward(loss)
-                engine.step()  # DeepSpeed only updates at the last micro-batch of the accumulation window
-                acc[0] += loss.detach().float()
-        if args.stop_at_time and time.time() > args.stop_at_time:
-            acc[1] = 1.0
-        torch.distributed.all_reduce(acc)
-        loss_total, past_time = acc.tolist()
-        mean_loss = loss_total / (args.grad_accum * args.replay_ranks * world)
-        _sync()
-        dt = time.perf_counter() - t0
+        with torch.profiler.record_function(f"train_step {step + 1} {tag}"):   # marks steps in a --profile-steps trace
+            # [summed loss, ranks past --stop-at-time]: one all-reduce per step carries both, so every rank stops
+            # at the same step
+            acc = torch.zeros(2, dtype=torch.float32, device=device)
+            for sampler in train_list:  # replayed ranks in order (one unless --replay-ranks)
+                for micro in range(args.grad_accum):
+                    x, y = sampler.batch(step, micro)
+                    loss = eng(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+                    eng.backward(loss)
+                    eng.step()  # DeepSpeed only updates at the last micro-batch of the accumulation window
+                    acc[0] += loss.detach().float()
+            if args.stop_at_time and time.time() > args.stop_at_time:
+                acc[1] = 1.0
+            torch.distributed.all_reduce(acc)
+            loss_total, past = acc.tolist()
+            _sync()
+        return loss_total / (args.grad_accum * args.replay_ranks * world), past, time.perf_counter() - t0
+
+    prof = None
+    prof_from = end_step - args.profile_steps if args.profile_steps else None
+    for step in range(start_step, end_step):
+        lr = lr_at(step, args)
+        if step == prof_from:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [] if ON_CPU else [torch.profiler.ProfilerActivity.CUDA]))
+            prof.__enter__()
+        sent0 = wire_count.snapshot() if args.count_wire_bytes else None
+        pair = None
+        if paired is None:
+            mean_loss, past_time, dt = train_step(engine, step, lr, "A")
+        elif step % 2 == 0:   # A B, then B A: each engine goes first in every other step
+            mean_loss, past_time, dt = train_step(engine, step, lr, "A")
+            pair = train_step(paired, step, lr, "B")
+        else:
+            pair = train_step(paired, step, lr, "B")
+            mean_loss, past_time, dt = train_step(engine, step, lr, "A")
 
         rec = {"step": step + 1, "loss": mean_loss, "lr": lr, "ms": dt * 1e3,
                "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": _peak_mem_bytes()}
+        if pair is not None:
+            rec.update(paired_loss=pair[0], paired_ms=pair[2] * 1e3, paired_first=step % 2 == 1)
+            past_time = past_time or pair[1]
         gn = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
         rec["grad_norm"] = float(gn) if gn is not None else None
         if sent0 is not None:   # bytes this rank sent in the step, by "<op>@<group size>:<intra|inter>"
             rec["wire_counted"] = wire_count.delta(wire_count.snapshot(), sent0)
         if summary_fn is not None:
             rec["sdp4bit"] = _jsonable(summary_fn())
+        if pair is not None and paired_summary_fn is not None:
+            rec["paired_sdp4bit"] = _jsonable(paired_summary_fn())
         if not math.isfinite(mean_loss):
             log.doc["steps"].append(rec)
             log.doc["final"] = {"error": f"non-finite loss {mean_loss} at step {step + 1}"}
@@ -562,6 +645,10 @@ def main(argv=None) -> dict:
         if done == end_step:
             break
     pbar.close()
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        if rank == 0:
+            _write_profile(prof, args, done - prof_from)
 
     if end_step < args.steps:  # --stop-after / --stop-at-time: a checkpoint to go on from, no final evaluation
         save(end_step)
@@ -592,6 +679,8 @@ def main(argv=None) -> dict:
     if rank == 0:
         print("train_gpt.py: done " + json.dumps(final), flush=True)
     engine.destroy()
+    if paired is not None:
+        paired.destroy()
     return final
 
 
