@@ -3,23 +3,30 @@
 #   paired  issue 20's 1% goals where SDP4Bit is off (world size 1; one node of 4 GPUs on NVLink), each pair of
 #           configs timed in ONE process, steps alternating (e2e --paired), the last 3 steps profiled
 #   nvlink  issue 23's fast end: 406M 2x2 on NVLink (no link knob), ZeRO++, SDP4Bit and ZeRO-3, twice
-# usage: bash THIS COMMIT BUDGET_S paired|nvlink   (result files under $OUT/<part>/; merge them back here)
+#   long    the paired world-1 runs with 300 timed steps (40 left the 1% goal unresolved), then 1.3B 1x4 with 200
+# usage: bash THIS COMMIT BUDGET_S paired|nvlink|long|w1   (w1: paired's world-1 part alone)
+# Everything comes back as $OUT/results.tgz (the device returns at most 8 files).  The first call of the session
+# returned 8 of its files: the world-1 part was run again (w1), so its 1x4 rows are those of the first call.
 commit=$1; budget=$2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=$commit
 find /tmp/torch_extensions -name lock -delete 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-P="--paired --slow --warmup 3 --timed 40 --profile-steps 3"
+T=40; [ "$3" = long ] && T=300
+P="--paired --slow --warmup 3 --timed $T --profile-steps 3"
+[ "$3" = long ] && P="--paired --slow --warmup 3 --timed $T"
 case "$3" in
-paired)
+paired|w1|long)
   # world size 1: the two models at once, each on its own GPU (steps alternate inside each process)
-  CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks e2e --models 406M --topologies 1x1 --configs zero3 sdp4bit $P --timeout 200 --out $OUT/w1_406M --deadline $((budget-SECONDS)) > $OUT/w1_406M.log 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks e2e --models 1.3B --topologies 1x1 --configs zero3 sdp4bit $P --timeout 240 --out $OUT/w1_1.3B --deadline $((budget-SECONDS)) > $OUT/w1_1.3B.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks e2e --models 406M --topologies 1x1 --configs zero3 sdp4bit $P --timeout 400 --out $OUT/w1_406M --deadline $((budget-SECONDS)) > $OUT/w1_406M.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 python3 -m benchmarks e2e --models 1.3B --topologies 1x1 --configs zero3 sdp4bit $P --timeout 400 --out $OUT/w1_1.3B --deadline $((budget-SECONDS)) > $OUT/w1_1.3B.log 2>&1 &
   wait; grep "\[e2e\]" $OUT/w1_*.log
-  for m in 406M 1.3B; do python3 -m benchmarks e2e --transport nvlink --models $m --topologies 1x4 --configs zero3 sdp4bit $P --timeout 200 --out $OUT/n_$m --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
+  [ "$3" = paired ] && for m in 406M 1.3B; do python3 -m benchmarks e2e --transport nvlink --models $m --topologies 1x4 --configs zero3 sdp4bit $P --timeout 200 --out $OUT/n_$m --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done
+  [ "$3" = long ] && python3 -m benchmarks e2e --transport nvlink --models 1.3B --topologies 1x4 --configs zero3 sdp4bit ${P/--timed $T/--timed 200} --timeout 240 --out $OUT/n_1.3B --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]" ;;
 nvlink)
   python3 -c "from deepspeed.ops.op_builder import QuantizerBuilder; QuantizerBuilder().load()" > /tmp/dsq.txt 2>&1 & q=$!; python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; wait $q; tail -1 /tmp/dsq.txt
   echo "built at $SECONDS s"
   for i in 1 2; do python3 -m benchmarks e2e --transport nvlink --models 406M --topologies 2x2 --configs zeropp sdp4bit zero3 --slow --timed 12 --timeout 90 --out $OUT/nv --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
-*) echo "usage: $0 COMMIT BUDGET_S paired|nvlink" >&2; exit 2 ;;
+*) echo "usage: $0 COMMIT BUDGET_S paired|nvlink|long|w1" >&2; exit 2 ;;
 esac
+cd $OUT && tar czf results.tgz --exclude results.tgz . && find . -mindepth 1 -not -name results.tgz -delete
