@@ -159,7 +159,8 @@ def set_bound(row: dict, rows: List[dict]) -> bool:
     ``bound_fraction`` = bound / its step, ``bound_source`` = that row's id.  Used when the row is measured and
     again by ``merge`` for rows whose call had no such row (their machine's world-1 row came in another call).
     Returns whether a bound was set."""
-    if not row.get("ms_per_step") or row.get("bound_ms") is not None or not row.get("ranks_per_device"):
+    if not row.get("ms_per_step") or row.get("bound_ms") is not None or not row.get("ranks_per_device") \
+            or row.get("paired_with"):   # a paired row's step shared its process with another engine
         return False
     b = _find_bound(row.get("model"), row.get("gpu"), rows, row.get("gpu_count"))
     if b is None:
