@@ -26,6 +26,14 @@ egress; share-GPU mode, ``--transport sockets`` / ``nodes`` or CPU) every config
 or ``--link-rates-from``; null when none was measured yet), ``nccl_socket_nthreads`` / ``nccl_nsocks_perthread``
 (null = NCCL's default), ``link_stats`` (the shim's own count: bytes the busiest process sent, seconds it slept)
 and ``link_stats_short`` (why that count cannot have seen the run's traffic, when it is below a step's bytes).
+
+``--paired`` (exactly two configs): both in ONE train_gpt.py process per (model, topology), their steps alternating
+A B B A ..., so a ratio that the spread between processes would hide (e.g. SDP4Bit off vs ZeRO-3, the same code)
+is measured step by step: both rows get ``paired_with`` and ``paired`` (the per-step log ratio to the partner:
+``n``, ``log_ratio_mean``, ``log_ratio_se``, ``ratio_median``); they have no peak memory, count no bytes and bound
+nothing.  ``--profile-steps N`` runs N more steps under torch.profiler after the timed ones: rank 0's Chrome trace
+and top-operator tables land in ``OUT/<run id>_profiles/``, and each row gets ``profile``, per profiled step its
+wall time, the GPU's busy time (the union of its kernel, copy and memset intervals) and the host's synchronize time.
 """
 
 from __future__ import annotations
