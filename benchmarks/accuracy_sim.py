@@ -499,6 +499,33 @@ def plot_gaps(runs: List[dict], path: str, title: str, window: int = 50, min_run
     plt.close(fig)
 
 
+GAP_WINDOWS = (0, 25, 50, 100, 200, 300, 400, 450)   # first steps of the 25-step windows of window_gap_table
+
+
+def window_gap_table(runs: List[dict], refs: Dict[tuple, dict], width: int = 25) -> List[str]:
+    """When a gap opens: per variant and topology (runs of the default rounding seed paired with ZeRO-3), the mean
+    over runs of the paired gap of the train loss averaged over ``width`` steps starting at each of GAP_WINDOWS
+    (those that fit the runs' steps)."""
+    groups: Dict[tuple, List[List[float]]] = {}
+    for r, ref in paired(runs, refs):
+        starts = [a for a in GAP_WINDOWS if a + width <= min(len(r["losses"]), len(ref["losses"]))]
+        groups.setdefault((r["variant"], r["topology"], tuple(starts)), []).append(
+            [100 * (sum(r["losses"][a:a + width]) / sum(ref["losses"][a:a + width]) - 1) for a in starts])
+    if not groups:
+        return []
+    out = [f"When the gap opens: the paired gap of the train loss averaged over {width} steps from each step below, "
+           "mean over the runs of the table above:", ""]
+    for starts in sorted({k[2] for k in groups}):
+        out.append("| variant | topology | runs | " + " | ".join(f"from {a}" for a in starts) + " |")
+        out.append("|---|---|---|" + "---|" * len(starts))
+        for (v, topo, st), gs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            if st == starts:
+                out.append(f"| {v} | {topo} | {len(gs)} | " + " | ".join(
+                    f"{sum(g[i] for g in gs) / len(gs):+.2f}%" for i in range(len(st))) + " |")
+        out.append("")
+    return out
+
+
 def report(runs: List[dict]) -> str:
     from benchmarks.suite import mean_se
 
@@ -541,6 +568,7 @@ def report(runs: List[dict]) -> str:
                      + ("-" if se is None else f"{se:.2f}%") + f" | {statistics.median(gaps):+.2f}% | "
                      f"{min(gaps):+.2f}% .. {max(gaps):+.2f}% |")
     lines.append("")
+    lines += window_gap_table(runs, z)
     classes = sorted({c for r in runs for c in r["classes"].values()})
     lines.append("Per parameter class, median over tensors and probes (every 25 or 50 steps): relative error of the "
                  "reduced gradient vs the exact reduce of the same local gradients; of the bf16 weights the "
