@@ -509,6 +509,8 @@ def window_gap_table(runs: List[dict], refs: Dict[tuple, dict], width: int = 25)
     groups: Dict[tuple, List[List[float]]] = {}
     for r, ref in paired(runs, refs):
         starts = [a for a in GAP_WINDOWS if a + width <= min(len(r["losses"]), len(ref["losses"]))]
+        if not starts:
+            continue   # shorter than one window
         groups.setdefault((r["variant"], r["topology"], tuple(starts)), []).append(
             [100 * (sum(r["losses"][a:a + width]) / sum(ref["losses"][a:a + width]) - 1) for a in starts])
     if not groups:

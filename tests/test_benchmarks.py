@@ -750,6 +750,14 @@ def test_accuracy_sim_gap_curves_compact_runs_and_median():
     # --compact keeps what the report shows: the per-class medians over tensors and probes
     small = [S.compact(r) for r in runs]
     assert all("probes" not in r for r in small) and S.report(small) == text
+    # when the gap opens: windows of 25 steps from 0, 25, 50, ... that fit the runs; 4 steps hold none
+    assert "When the gap opens" not in text
+    zl = [3.0] * 60
+    win = [_fake_sim_run("zero3", "4x1", 1, zl), _fake_sim_run("sdp4bit", "4x1", 1, [3.0] * 25 + [3.3] * 35),
+           _fake_sim_run("sdp4bit", "4x1", 1, [6.0] * 60, sdp_seed=99)]   # a repeat: not counted
+    lines = S.window_gap_table(win, S.zero3_refs(win))
+    assert "| variant | topology | runs | from 0 | from 25 |" in lines   # from 50 does not fit 60 steps
+    assert "| sdp4bit | 4x1 | 1 | +0.00% | +10.00% |" in lines
     summary = S.probe_summary(runs[0])
     assert summary["matrix"] == {"grad_rel_err": 0.25, "replica_rel_err": 0.03, "bf16_rel_err": 0.003}
     assert summary["bias"]["grad_rel_err"] == 0.5   # the probe without gradients does not count
