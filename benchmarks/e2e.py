@@ -30,8 +30,9 @@ and ``link_stats_short`` (why that count cannot have seen the run's traffic, whe
 ``--paired`` (exactly two configs): both in ONE train_gpt.py process per (model, topology), their steps alternating
 A B B A ..., so a ratio that the spread between processes would hide (e.g. SDP4Bit off vs ZeRO-3, the same code)
 is measured step by step: both rows get ``paired_with`` and ``paired`` (the per-step log ratio to the partner:
-``n``, ``log_ratio_mean``, ``log_ratio_se``, ``ratio_median``); they have no peak memory, count no bytes and bound
-nothing.  ``--profile-steps N`` runs N more steps under torch.profiler after the timed ones: rank 0's Chrome trace
+``n``, ``log_ratio_mean``, ``log_ratio_se``, ``ratio_median``); they have no peak memory and no counted bytes (only
+the formula's ``wire_bytes_*``), bound nothing, and stay out of the tables, the fit and every goal but the same-code
+ones.  ``--profile-steps N`` runs N more steps under torch.profiler after the timed ones: rank 0's Chrome trace
 and top-operator tables land in ``OUT/<run id>_profiles/``, and each row gets ``profile``, per profiled step its
 wall time, the GPU's busy time (the union of its kernel, copy and memset intervals) and the host's synchronize time.
 """
@@ -190,6 +191,14 @@ def run(args) -> int:
     variants = [suite.Variant.parse(c) for c in args.configs]
     if args.paired and len(variants) != 2:
         raise SystemExit(f"e2e: --paired times two configs against each other; got {len(variants)} ({args.configs})")
+    if args.paired and variants[0].label == variants[1].label:
+        raise SystemExit(f"e2e: --paired needs two different configs, got {variants[0].label} twice")
+    if args.paired:
+        n = args.timed_slow if any(v.config in args.slow for v in variants) else args.timed
+        if n < PAIRED_MIN_STEPS or n % 2:
+            raise SystemExit(f"e2e: --paired needs an even number of at least {PAIRED_MIN_STEPS} timed steps (each "
+                             f"config first in half of them); got {n} (--timed, or --timed-slow for the configs of "
+                             f"--slow: {' '.join(args.slow) or 'none'})")
     if args.profile_steps < 0:
         raise SystemExit(f"e2e: --profile-steps must be >= 0, got {args.profile_steps}")
     try:
@@ -282,10 +291,12 @@ def run(args) -> int:
                        else ("cpu" if cpu else "1 GPU"),
                        "link_gbps": gbps, "nccl_socket_nthreads": threads, "nccl_nsocks_perthread": nsocks,
                        "link_delay_us": delay}
-                if v.replica == "node" and gpn == 1 and nodes > 1:
+                if any(x.replica == "node" for x in (v, partner) if x) and gpn == 1 and nodes > 1:
                     row.update(status="skipped", reason="replica node with one rank per node is the full "
                                                         "replica; the integration refuses it")
                     rows.append(row)
+                    if partner is not None:
+                        rows.append(dict(row, **_partner_identity(row, partner)))
                     continue
                 ds_set = v.ds_set(gpn, share)
                 one_gpu_flag = not cpu and not share and not hosts and gpn == 1 and world > 1
@@ -310,6 +321,8 @@ def run(args) -> int:
                 if deadline.left() < 90:  # too little left for start-up and two timed steps
                     row.update(status="skipped", reason="the call's --deadline was reached")
                     rows.append(row)
+                    if partner is not None:
+                        rows.append(dict(row, **_partner_identity(row, partner)))
                     suite.write_json(res_file, doc)
                     suite.merge_rows(results, [row])
                     continue
@@ -382,6 +395,9 @@ def run(args) -> int:
                     print(f"[e2e] {name}: WARNING {short}", flush=True)
                 trace = out / f"{run_id}_profiles" / f"{name}.trace.json.gz"
                 if not (args.profile_steps and trace.is_file()):
+                    if args.profile_steps:
+                        row["profile_missing"] = ("no trace: the run ended before its profiled steps (killed, "
+                                                  "stopped or failed; see its log)")
                     trace = None
                 else:
                     row["profile"] = [x for x in summarize_trace(trace) if x["tag"] == "A"]
@@ -407,41 +423,48 @@ def run(args) -> int:
 
 
 GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
-SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaStreamWaitEvent")
+SYNC_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")   # the host waits
 
 
 def summarize_trace(path: Path) -> List[dict]:
     """Per profiled step of a train_gpt.py ``--profile-steps`` Chrome trace (the ``train_step N TAG`` marks; TAG A
     is the --ds-config engine, B the paired one): ``wall_ms``, ``gpu_busy_ms`` (the union of the GPU's kernel,
-    memcpy and memset intervals inside the step: the time the GPU worked), ``gpu_busy_fraction``, ``kernels`` and
-    ``cpu_sync_ms`` (the host's time in CUDA synchronize calls: waiting for the GPU)."""
+    memcpy and memset intervals inside the step: the time the GPU worked), ``gpu_busy_fraction``, ``gpu_ops`` (those
+    intervals) and ``cpu_sync_ms`` (the union of the host's CUDA synchronize calls: waiting for the GPU).  The
+    profiler slows the host: these steps run longer than timed ones, and the first includes its start."""
     import gzip
     doc = json.loads(gzip.open(path).read() if str(path).endswith(".gz") else Path(path).read_text())
     ev = [e for e in (doc.get("traceEvents", []) if isinstance(doc, dict) else doc)
           if e.get("ph") == "X" and "ts" in e and "dur" in e]
     gpu = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in GPU_EVENTS)
-    syncs = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") in ("cuda_runtime", "cuda_driver")
-             and e.get("name") in SYNC_CALLS]
-    out = []
-    for e in sorted((e for e in ev if e.get("cat") == "user_annotation"
-                     and str(e.get("name", "")).startswith("train_step ")), key=lambda e: e["ts"]):
-        t0, t1 = e["ts"], e["ts"] + e["dur"]
-        busy, end, n = 0.0, t0, 0
-        for a, b in gpu:   # sorted by start: a running union clipped to the step
+    syncs = sorted((e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("cat") == "cuda_runtime"
+                   and e.get("name") in SYNC_CALLS)
+
+    def union(spans, t0, t1):   # (length of the union of the spans clipped to [t0, t1], how many touch it)
+        total, end, n = 0.0, t0, 0
+        for a, b in spans:   # sorted by start
             a, b = max(a, t0), min(b, t1)
             if b <= a:
                 continue
             n += 1
             if b > end:
-                busy += b - max(a, end)
+                total += b - max(a, end)
                 end = b
+        return total, n
+
+    out = []
+    for e in sorted((e for e in ev if e.get("cat") == "user_annotation"
+                     and str(e.get("name", "")).startswith("train_step ")), key=lambda e: e["ts"]):
+        t0, t1 = e["ts"], e["ts"] + e["dur"]
+        busy, n = union(gpu, t0, t1)
         _, step, tag = e["name"].split()
         out.append({"step": int(step), "tag": tag, "wall_ms": e["dur"] / 1e3, "gpu_busy_ms": busy / 1e3,
-                    "gpu_busy_fraction": busy / e["dur"] if e["dur"] else None, "kernels": n,
-                    "cpu_sync_ms": sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in syncs) / 1e3})
+                    "gpu_busy_fraction": busy / e["dur"] if e["dur"] else None, "gpu_ops": n,
+                    "cpu_sync_ms": union(syncs, t0, t1)[0] / 1e3})
     return out
 
 
+PAIRED_MIN_STEPS = 10   # fewer paired steps give no standard error worth a verdict
 PAIRED_KEYS = {"ms": "paired_ms", "loss": "paired_loss", "sdp4bit": "paired_sdp4bit"}
 
 
@@ -450,14 +473,11 @@ def _partner_row(row: dict, partner: suite.Variant, snapshot: dict, log_json: Pa
     """``--paired``: the row of the second config, timed in ``row``'s process; both rows get ``paired_with`` (the
     other's id) and ``paired`` (:func:`paired_stats` of their own steps over the other's); ``trace``: the run's
     --profile-steps trace, whose B steps are the partner's ``profile``."""
-    name = row["row_id"].rsplit("/", 1)[1].replace(f"_{row['variant'].replace(':', '-')}_",
-                                                   f"_{partner.label.replace(':', '-')}_", 1)
-    other = dict(row, row_id=f"{row['run_id']}/{name}", config=partner.config, variant=partner.label,
-                 replica_requested=partner.replica, default=partner.is_default, config_snapshot=snapshot)
+    other = dict(row, config_snapshot=snapshot, **_partner_identity(row, partner))
     for k in ("ms_per_step", "ms_min", "ms_max", "tokens_per_s", "timed_steps", "wire_bytes_per_step",
               "wire_bytes_total", "loss_last", "replica", "steps_ms", "error"):
         other.pop(k, None)
-    if row.get("status") == "ok" or log_json.is_file():
+    if log_json.is_file():
         got = _summarize(log_json, warmup, partner, world, gpn, paired=True, n_timed=row.get("timed_steps_requested"))
         other.update(got)
         if row.get("status") != "ok":
@@ -470,6 +490,14 @@ def _partner_row(row: dict, partner: suite.Variant, snapshot: dict, log_json: Pa
         n = a.get("timed_steps_requested")
         a["paired"] = paired_stats((a.get("steps_ms") or [])[:warmup + n], (b.get("steps_ms") or [])[:warmup + n], warmup)
     return other
+
+
+def _partner_identity(row: dict, partner: suite.Variant) -> dict:
+    """What tells the partner's row from ``row``: its id (``row``'s with the partner's label), config, variant."""
+    name = row["row_id"].rsplit("/", 1)[1].replace(f"_{row['variant'].replace(':', '-')}_",
+                                                   f"_{partner.label.replace(':', '-')}_", 1)
+    return {"row_id": f"{row['run_id']}/{name}", "config": partner.config, "variant": partner.label,
+            "replica_requested": partner.replica, "default": partner.is_default}
 
 
 def paired_stats(ms: List[float], other_ms: List[float], warmup: int) -> Optional[dict]:

@@ -506,7 +506,7 @@ def share_curve(f: Fit, key: str, C: float, nbytes: float, rates: Sequence[float
 def world1_estimate(params: float, rows: Sequence[dict]) -> Optional[Tuple[float, str]]:
     """World-1 ZeRO-3 step time for ``params``: the measured model nearest in size, scaled by parameter count."""
     cands = [r for r in rows if r.get("status") == "ok" and r.get("topology") == "1x1" and r.get("config") == "zero3"
-             and r.get("ms_per_step") and r.get("n_params")]
+             and r.get("ms_per_step") and r.get("n_params") and not r.get("paired_with")]
     if not cands:
         return None
     r = min(cands, key=lambda r: abs(math.log(r["n_params"] / params)))

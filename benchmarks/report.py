@@ -62,8 +62,11 @@ def add_merge_args(p: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------- selection
 
-def _ok(rows: Sequence[dict]) -> List[dict]:
-    return [r for r in rows if r.get("status") == "ok" and r.get("ms_per_step")]
+def _ok(rows: Sequence[dict], paired: bool = False) -> List[dict]:
+    """The finished timed rows; a paired row (``e2e --paired``: two engines in one process, a step slower than a
+    process of its own) only with ``paired`` (the same-code goals and their baselines), never in tables or bounds."""
+    return [r for r in rows if r.get("status") == "ok" and r.get("ms_per_step")
+            and (paired or not r.get("paired_with"))]
 
 
 def _key(r: dict) -> Tuple[str, str, str]:
@@ -182,10 +185,12 @@ def config_run(r: dict, today: Dict[str, object]) -> str:
     return f"the default of {r.get('commit')}: {_diff_text(diff)}" + (f"; {before}" if before else "")
 
 
-def default_rows(rows: Sequence[dict], model: str, topo: str, today: Dict[str, object]) -> List[dict]:
+def default_rows(rows: Sequence[dict], model: str, topo: str, today: Dict[str, object],
+                 paired: bool = False) -> List[dict]:
     """Every ok unshaped row of the one-GPU suite at (model, topology) that ran today's default config (whatever its
-    variant was called) or the shipped default of its own commit (``default``), oldest first."""
-    return sorted((r for r in _ok(one_gpu(rows)) if link.unshaped(r) and r.get("model") == model
+    variant was called) or the shipped default of its own commit (``default``), oldest first (``paired``: with the
+    paired rows)."""
+    return sorted((r for r in _ok(one_gpu(rows), paired) if link.unshaped(r) and r.get("model") == model
                    and r.get("topology") == topo and (r.get("default") or differences_from_default(r, today) == {})),
                   key=lambda r: r.get("created", ""))
 
@@ -219,7 +224,7 @@ def baseline(r: dict, rows: Sequence[dict], config: str) -> Tuple[Optional[dict]
     A row marked ``topology_independent`` (its command does not depend on the node layout: ZeRO-3 and ZeRO++ in
     share-GPU mode) stands for every topology with the same number of ranks.
     """
-    same = [b for b in _ok(rows) if b.get("config") == config and b.get("variant") == config
+    same = [b for b in _ok(rows, paired=True) if b.get("config") == config and b.get("variant") == config
             and link.settings_of(b) == link.settings_of(r) and bool(b.get("paired_with")) == bool(r.get("paired_with"))
             and b.get("model") == r.get("model") and (b.get("topology") == r.get("topology") or (
                 b.get("topology_independent") and b.get("ranks") == r.get("ranks")))]
@@ -710,12 +715,12 @@ def rate_png(rows: Sequence[dict], res: dict, png: Path) -> bool:
 
 # ------------------------------------------------------------------------------------------- a multi-GPU host
 
-def host_rows(rows: Sequence[dict], today: Dict[str, object]) -> List[dict]:
+def host_rows(rows: Sequence[dict], today: Dict[str, object], paired: bool = False) -> List[dict]:
     """Ok rows of the default config (today's or its commit's) measured on a multi-GPU host, one rank per GPU
     (``e2e --transport ...``), with or without the knob, in order of model, mode, topology, rate, time."""
     def rate(r):
         return r.get("link_gbps") or 1e9
-    return sorted((r for r in _ok(rows) if projection.family(r) != projection.SHARE and (r.get("ranks") or 1) > 1
+    return sorted((r for r in _ok(rows, paired) if projection.family(r) != projection.SHARE and (r.get("ranks") or 1) > 1
                    and (r.get("default") or differences_from_default(r, today) == {})),
                   key=lambda r: (r.get("model"), str(r.get("mode")), r.get("topology"), -rate(r),
                                  r.get("created", "")))
@@ -811,7 +816,8 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
             "(`*`: across runs). The no-communication bound is the world-1 ZeRO-3 step x the ranks; above 100% "
             "it is no bound: one rank alone leaves the GPU idle between its launches, several ranks fill it. "
             "At 1x1 SDP4Bit is off (nothing to send: plain ZeRO-3), so that row times ZeRO-3 twice and its "
-            "ratio is the run-to-run spread of the machine. The loopback's rate is not the same from call to call, "
+            "ratio is the run-to-run spread of the machine (the same code timed in one process, `e2e --paired`: "
+            "the goals table). The loopback's rate is not the same from call to call, "
             "nor ZeRO-3's step (see the support table), so ratios across runs (`*`) compare different links; "
             "the link column is NCCL's all-gather rate per rank measured inside the row's own run "
             "(`e2e --probe-link`), where it was. Each cell shows the newest run of today's default (its config, "
@@ -906,13 +912,15 @@ def _world1_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, s
     """The default's step over ZeRO-3's in the same run at world size 1 (where SDP4Bit is off: both time the same
     code), with each step's min-max: "not resolved" when the ratio is above the goal but the ranges, the
     goal's 1% allowed, overlap (the run's own spread)."""
-    cands = [r for model in ("406M", "1.3B") for r in one_per_run(default_rows(rows, model, "1x1", today), today)]
+    cands = [r for model in ("406M", "1.3B")
+             for r in one_per_run(default_rows(rows, model, "1x1", today, paired=True), today)]
     return _same_code_goal(cands, rows, today)
 
 
 def _one_node_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
     """The same as at world size 1 for one node of a multi-GPU host (1xG on NVLink), where SDP4Bit is off too."""
-    one = [r for r in host_rows(rows, today) if link.unshaped(r) and suite.parse_topology(r["topology"])[0] == 1]
+    one = [r for r in host_rows(rows, today, paired=True) if link.unshaped(r)
+           and suite.parse_topology(r["topology"])[0] == 1]
     cands = [r for m in sorted({r["model"] for r in one}) for r in one_per_run([r for r in one if r["model"] == m], today)]
     return _same_code_goal(cands, rows, today)
 
@@ -920,10 +928,12 @@ def _one_node_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str,
 def _paired_verdict(r: dict) -> Tuple[str, str]:
     """A paired row's (``e2e --paired``: both engines in one process, steps alternating) measured text and verdict
     from its per-step log ratios to ZeRO-3: met when exp(mean + 2 SE) <= GOAL_WORLD1, not met when exp(mean - 2 SE)
-    > GOAL_WORLD1, otherwise not resolved."""
+    > GOAL_WORLD1, otherwise not resolved (also with fewer than e2e.PAIRED_MIN_STEPS steps or an odd number)."""
     st = r["paired"]
     lo, mid, hi = (math.exp(st["log_ratio_mean"] + k * st["log_ratio_se"]) for k in (-2, 0, 2))
     v = "met" if hi <= GOAL_WORLD1 else "not met" if lo > GOAL_WORLD1 else "not resolved"
+    if st["n"] < e2e.PAIRED_MIN_STEPS or st["n"] % 2:
+        v = "not resolved"
     return (f"paired in one process, {st['n']} alternating steps: {100 * (mid - 1):+.2f}% "
             f"({100 * (lo - 1):+.2f} .. {100 * (hi - 1):+.2f}%, 2 SE; median step ratio {st['ratio_median']:.4f})", v)
 

@@ -72,6 +72,7 @@ if "--one-gpu-per-rank" in sys.argv:
     os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_SIZE"] = "1"
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -480,8 +481,11 @@ def main(argv=None) -> dict:
     summary_fn, summary_source = _find_summary(engine)
     paired_summary_fn = _find_summary(paired)[0] if paired is not None else None
     evidence = _sdp4bit_evidence(engine) if sdp_cfg.active else None
-    if sdp_cfg.active and evidence is None:
-        msg = ("the ds_config enables sdp4bit, but after deepspeed.initialize neither the engine nor its "
+    paired_active = paired is not None and deepspeed_sdp4bit.parse_ds_config(paired_config).active
+    for which, eng, active in (("--ds-config", engine, sdp_cfg.active), ("--paired-ds-config", paired, paired_active)):
+        if not active or (evidence if eng is engine else _sdp4bit_evidence(eng)) is not None:
+            continue
+        msg = (f"the {which} ds_config enables sdp4bit, but after deepspeed.initialize neither the engine nor its "
                "optimizer shows any trace of the sdp4bit integration (no *sdp4bit* attribute, no class from "
                "deepspeed_sdp4bit): this run would be plain ZeRO-3 under an sdp4bit label")
         if not args.allow_no_sdp4bit_evidence:
@@ -592,14 +596,20 @@ def main(argv=None) -> dict:
             _sync()
         return loss_total / (args.grad_accum * args.replay_ranks * world), past, time.perf_counter() - t0
 
+    def destroy():   # before exit_ranks, which runs no destructors (a decoupled checkpoint writer commits here)
+        for eng in (engine, paired):
+            if eng is not None:
+                eng.destroy()
+
     prof = None
-    prof_from = end_step - args.profile_steps if args.profile_steps else None
+    # the last --profile-steps steps (from the first step of a resumed run that starts inside them)
+    prof_from = max(end_step - args.profile_steps, start_step) if args.profile_steps else None
+    exits = contextlib.ExitStack()   # closes the profiler also when a step raises
     for step in range(start_step, end_step):
         lr = lr_at(step, args)
         if step == prof_from:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [] if ON_CPU else [torch.profiler.ProfilerActivity.CUDA]))
-            prof.__enter__()
+            prof = exits.enter_context(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
+                [] if ON_CPU else [torch.profiler.ProfilerActivity.CUDA])))
         sent0 = wire_count.snapshot() if args.count_wire_bytes else None
         pair = None
         if paired is None:
@@ -624,11 +634,14 @@ def main(argv=None) -> dict:
             rec["sdp4bit"] = _jsonable(summary_fn())
         if pair is not None and paired_summary_fn is not None:
             rec["paired_sdp4bit"] = _jsonable(paired_summary_fn())
-        if not math.isfinite(mean_loss):
+        bad = [(w, x) for w, x in (("", mean_loss), (" of the paired engine", pair and pair[0])) if x is not None
+               and not math.isfinite(x)]
+        if bad:
             log.doc["steps"].append(rec)
-            log.doc["final"] = {"error": f"non-finite loss {mean_loss} at step {step + 1}"}
+            log.doc["final"] = {"error": f"non-finite loss{bad[0][0]} {bad[0][1]} at step {step + 1}"}
             log.write()
-            raise SystemExit(f"train_gpt.py: non-finite loss {mean_loss} at step {step + 1}")
+            exits.close()
+            raise SystemExit(f"train_gpt.py: non-finite loss{bad[0][0]} {bad[0][1]} at step {step + 1}")
         log.doc["steps"].append(rec)
         pbar.set_postfix(loss=f"{mean_loss:.4f}", ms=f"{dt * 1e3:.0f}", refresh=False)
         pbar.update(1)
@@ -645,8 +658,8 @@ def main(argv=None) -> dict:
         if done == end_step:
             break
     pbar.close()
+    exits.close()
     if prof is not None:
-        prof.__exit__(None, None, None)
         if rank == 0:
             _write_profile(prof, args, done - prof_from)
 
@@ -658,7 +671,7 @@ def main(argv=None) -> dict:
         if rank == 0:
             print(f"train_gpt.py: stopped after step {end_step} of {args.steps} (checkpoint in "
                   f"{args.checkpoint_dir}; --resume goes on)", flush=True)
-        engine.destroy()   # before exit_ranks, which runs no destructors (a decoupled checkpoint writer commits here)
+        destroy()
         return log.doc["final"]
 
     heldout = run_eval(args.steps)
@@ -678,9 +691,7 @@ def main(argv=None) -> dict:
     log.write()
     if rank == 0:
         print("train_gpt.py: done " + json.dumps(final), flush=True)
-    engine.destroy()
-    if paired is not None:
-        paired.destroy()
+    destroy()
     return final
 
 

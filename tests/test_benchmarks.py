@@ -3,6 +3,7 @@ ZeRO-3 reference (world size 1 replaying 4 ranks' micro-batches) matches a real 
 
 import json
 import os
+import tarfile
 import subprocess
 import sys
 from pathlib import Path
@@ -87,10 +88,19 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
     from benchmarks.__main__ import main
     with pytest.raises(SystemExit, match="two configs"):
         main(["e2e", "--paired", "--configs", "zero3", "sdp4bit", "zeropp", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="two different configs"):
+        main(["e2e", "--paired", "--configs", "zero3", "zero3", "--out", str(tmp_path / "x")])
+    for timed in (["--timed", "4", "--slow"], ["--timed", "11", "--slow"], ["--timed", "12"]):   # zero3 is slow: 2
+        with pytest.raises(SystemExit, match="even number of at least 10"):
+            main(["e2e", "--paired", "--configs", "zero3", "sdp4bit", "--out", str(tmp_path / "x")] + timed)
     out = tmp_path / "out"
-    _suite(["e2e", "--cpu", "--models", "tiny", "--seq", "32", "--micro-batch", "2", "--warmup", "1", "--timed", "4",
+    # a world-1 ZeRO-3 row of a process of its own: a bound for plain rows, never for the paired ones
+    plain = {"row_id": "r/tiny_1x1_zero3", "run_id": "r", "config": "zero3", "variant": "zero3", "topology": "1x1",
+             "model": "tiny", "status": "ok", "gpu": None, "ms_per_step": 50.0, "created": "2026-01-01"}
+    (tmp_path / "plain.json").write_text(json.dumps([plain]))
+    _suite(["e2e", "--cpu", "--models", "tiny", "--seq", "32", "--micro-batch", "2", "--warmup", "1", "--timed", "10",
             "--slow", "--topologies", "1x1", "1x2", "--configs", "zero3", "sdp4bit", "--paired", "--profile-steps", "2",
-            "--out", str(out), "--bound-from"], tmp_path)
+            "--out", str(out), "--bound-from", str(tmp_path / "plain.json")], tmp_path)
     rows = json.loads((out / "throughput.json").read_text())
     by = {(r["topology"], r["config"]): r for r in rows}
     assert set(by) == {("1x1", "zero3"), ("1x1", "sdp4bit"), ("1x2", "zero3"), ("1x2", "sdp4bit")}
@@ -99,31 +109,46 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
         z, d = by[(topo, "zero3")], by[(topo, "sdp4bit")]
         assert z["status"] == d["status"] == "ok" and z["run_id"] == d["run_id"]
         assert z["paired_with"] == d["row_id"] and d["paired_with"] == z["row_id"] and d["default"]
-        assert z["timed_steps"] == d["timed_steps"] == 4 == d["paired"]["n"]
+        assert z["timed_steps"] == d["timed_steps"] == 10 == d["paired"]["n"]
         # two engines' own timings, step by step, and the statistic is of exactly those steps
-        # (1 warm-up step, 4 timed, then the 2 profiled, which the timing leaves out)
-        assert z["steps_ms"] != d["steps_ms"] and len(z["steps_ms"]) == len(d["steps_ms"]) == 7
-        logs = [math.log(a / b) for a, b in zip(d["steps_ms"][1:5], z["steps_ms"][1:5])]
-        assert d["ms_max"] == pytest.approx(max(d["steps_ms"][1:5]), abs=0.01)
-        assert z["ms_min"] == pytest.approx(min(z["steps_ms"][1:5]), abs=0.01)
-        assert d["paired"]["log_ratio_mean"] == pytest.approx(sum(logs) / 4, rel=1e-3, abs=1e-3)
+        # (1 warm-up step, 10 timed, then the 2 profiled, which the timing leaves out)
+        assert z["steps_ms"] != d["steps_ms"] and len(z["steps_ms"]) == len(d["steps_ms"]) == 13
+        logs = [math.log(a / b) for a, b in zip(d["steps_ms"][1:11], z["steps_ms"][1:11])]
+        assert d["ms_max"] == pytest.approx(max(d["steps_ms"][1:11]), abs=0.01)
+        assert z["ms_min"] == pytest.approx(min(z["steps_ms"][1:11]), abs=0.01)
+        assert d["paired"]["log_ratio_mean"] == pytest.approx(sum(logs) / 10, rel=1e-3, abs=1e-3)
         assert z["paired"]["log_ratio_mean"] == pytest.approx(-d["paired"]["log_ratio_mean"])
         # SDP4Bit is off on one node and at world size 1: the second engine trained the same model on the same data
         assert d["loss_last"] == z["loss_last"] and d["replica"] is None
         # one process held both: no peak memory of either, and neither is anyone's no-communication bound
         assert "peak_mem_bytes" not in z and "peak_mem_bytes" not in d
+        assert not any(k in r for r in (z, d) for k in ("bound_ms", "bound_fraction", "bound_source"))
+        # the partner got its own --ds-set (the topology) and the run's (tiny's persistence threshold)
+        with tarfile.open(out / f"{d['run_id']}_logs.tar.gz") as tf:
+            log = json.load(tf.extractfile(next(m for m in tf.getmembers()
+                                                if m.name.endswith(f"tiny_{topo}_zero3_paired.json"))))
+        pc = log["meta"]["paired_ds_config"]
+        assert pc["sdp4bit"]["topology"]["gpus_per_node"] == int(topo[-1])
+        assert pc["zero_optimization"]["stage3_param_persistence_threshold"] == 0
         assert report.baseline(d, rows, "zero3") == (z, True)
         text, v = report._paired_verdict(d)
-        assert text.startswith("paired in one process, 4 alternating steps") and v in ("met", "not met", "not resolved")
+        assert text.startswith("paired in one process, 10 alternating steps") and v in ("met", "not met", "not resolved")
         m, verdict = report._same_code_goal([d], rows, today)
         assert "paired in one process" in m and verdict == v
         # the rank-0 profile of the last two steps marks both engines' steps
         trace = gzip.open(out / f"{d['run_id']}_profiles" / f"tiny_{topo}_zero3_paired.trace.json.gz").read().decode()
-        assert all(f"train_step {s} {e}" in trace for s in (6, 7) for e in "AB") and "train_step 5 " not in trace
+        assert all(f"train_step {s} {e}" in trace for s in (12, 13) for e in "AB") and "train_step 11 " not in trace
+        # alternating: the paired engine first in step 12, the primary in step 13
+        ev = [e for e in json.loads(trace)["traceEvents"] if str(e.get("name", "")).startswith("train_step ")]
+        t = {e["name"]: e["ts"] for e in ev}
+        assert t["train_step 12 B"] < t["train_step 12 A"] and t["train_step 13 A"] < t["train_step 13 B"]
         for r, tag in ((z, "A"), (d, "B")):   # the trace's steps, summarised into each engine's row
-            assert [(x["step"], x["tag"]) for x in r["profile"]] == [(6, tag), (7, tag)]
-            assert all(x["wall_ms"] > 0 and x["gpu_busy_ms"] == 0 and x["kernels"] == 0 for x in r["profile"])  # CPU
-    assert e2e._find_bound("tiny", None, rows) is None
+            assert [(x["step"], x["tag"]) for x in r["profile"]] == [(12, tag), (13, tag)]
+            assert all(x["wall_ms"] > 0 and x["gpu_busy_ms"] == 0 and x["gpu_ops"] == 0 for x in r["profile"])  # CPU
+    assert e2e._find_bound("tiny", None, rows) is None and e2e._find_bound("tiny", None, rows + [plain]) == plain
+    # paired rows stay out of the tables, the headline, the world-1 estimate of the projection
+    assert not report.latest(rows) and report.headline_row(rows, "tiny", "1x1", today) is None
+    assert projection.world1_estimate(1e6, rows) is None
     # the GPU's busy time of a step: the union of its kernels, memcpys and memsets, clipped to the step
     ev = [{"ph": "X", "cat": "user_annotation", "name": "train_step 7 A", "ts": 0, "dur": 100},
           {"ph": "X", "cat": "user_annotation", "name": "train_step 7 B", "ts": 100, "dur": 50},
@@ -132,20 +157,25 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
           {"ph": "X", "cat": "gpu_memcpy", "name": "m", "ts": 90, "dur": 30},
           {"ph": "X", "cat": "gpu_memset", "name": "m", "ts": 400, "dur": 5},
           {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 40, "dur": 20},
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 45, "dur": 10},   # inside: once
+          {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamWaitEvent", "ts": 70, "dur": 5},   # no host wait
           {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 60, "dur": 20}]
     (tmp_path / "t.json").write_text(json.dumps({"traceEvents": ev}))
     a, b = e2e.summarize_trace(tmp_path / "t.json")
-    assert (a["step"], a["tag"], a["wall_ms"], a["kernels"]) == (7, "A", 0.1, 3)
+    assert (a["step"], a["tag"], a["wall_ms"], a["gpu_ops"]) == (7, "A", 0.1, 3)
     assert a["gpu_busy_ms"] == pytest.approx(0.05) and a["gpu_busy_fraction"] == pytest.approx(0.5)
     assert a["cpu_sync_ms"] == pytest.approx(0.02) and b["cpu_sync_ms"] == 0
-    assert b["gpu_busy_ms"] == pytest.approx(0.02) and b["kernels"] == 1   # the memcpy's tail, 100-120
+    assert b["gpu_busy_ms"] == pytest.approx(0.02) and b["gpu_ops"] == 1   # the memcpy's tail, 100-120
     # a plain row finds no paired partner as its baseline, and the verdict follows mean +- 2 SE of the log ratio
     plain = dict(by[("1x1", "sdp4bit")], run_id="other", row_id="other/x")
     del plain["paired_with"]
     assert report.baseline(plain, rows, "zero3") == (None, False)
     d = by[("1x1", "sdp4bit")]
-    for mean, se, want in ((0.0, 0.001, "met"), (math.log(1.05), 0.001, "not met"), (0.0, 0.02, "not resolved")):
-        assert report._paired_verdict(dict(d, paired=dict(d["paired"], log_ratio_mean=mean, log_ratio_se=se)))[1] == want
+    for mean, se, n, want in ((0.0, 0.001, 10, "met"), (math.log(1.05), 0.001, 10, "not met"),
+                              (0.0, 0.02, 10, "not resolved"), (0.0, 0.001, 8, "not resolved"),
+                              (0.0, 0.001, 11, "not resolved")):
+        st = dict(d["paired"], log_ratio_mean=mean, log_ratio_se=se, n=n)
+        assert report._paired_verdict(dict(d, paired=st))[1] == want
     # train_gpt.py refuses what two engines in one process cannot give
     train = [sys.executable, str(suite.TRAIN), "--ds-config", "configs/zero3.json", "--paired-ds-config",
              "configs/sdp4bit.json"]
