@@ -294,9 +294,7 @@ def run(args) -> int:
                 if any(x.replica == "node" for x in (v, partner) if x) and gpn == 1 and nodes > 1:
                     row.update(status="skipped", reason="replica node with one rank per node is the full "
                                                         "replica; the integration refuses it")
-                    rows.append(row)
-                    if partner is not None:
-                        rows.append(dict(row, **_partner_identity(row, partner)))
+                    rows.extend([row] + _skipped_partner(row, partner))
                     continue
                 ds_set = v.ds_set(gpn, share)
                 one_gpu_flag = not cpu and not share and not hosts and gpn == 1 and world > 1
@@ -320,11 +318,10 @@ def run(args) -> int:
                 # (a reused run above costs nothing: only a new run waits for the deadline)
                 if deadline.left() < 90:  # too little left for start-up and two timed steps
                     row.update(status="skipped", reason="the call's --deadline was reached")
-                    rows.append(row)
-                    if partner is not None:
-                        rows.append(dict(row, **_partner_identity(row, partner)))
+                    both = [row] + _skipped_partner(row, partner)
+                    rows.extend(both)
                     suite.write_json(res_file, doc)
-                    suite.merge_rows(results, [row])
+                    suite.merge_rows(results, both)
                     continue
                 # the link between nodes: in --transport nodes the probe runs one rank per node (on one GPU, each
                 # its own host: the same sockets and knob); a single node has no such link
@@ -396,7 +393,7 @@ def run(args) -> int:
                 trace = out / f"{run_id}_profiles" / f"{name}.trace.json.gz"
                 if not (args.profile_steps and trace.is_file()):
                     if args.profile_steps:
-                        row["profile_missing"] = ("no trace: the run ended before its profiled steps (killed, "
+                        row["profile_missing"] = ("no trace: the run ended before its profile was written (killed, "
                                                   "stopped or failed; see its log)")
                     trace = None
                 else:
@@ -498,6 +495,15 @@ def _partner_identity(row: dict, partner: suite.Variant) -> dict:
                                                    f"_{partner.label.replace(':', '-')}_", 1)
     return {"row_id": f"{row['run_id']}/{name}", "config": partner.config, "variant": partner.label,
             "replica_requested": partner.replica, "default": partner.is_default}
+
+
+def _skipped_partner(row: dict, partner: Optional[suite.Variant]) -> List[dict]:
+    """``--paired``: the partner's row of a skipped run (none without a partner), both linked by ``paired_with``."""
+    if partner is None:
+        return []
+    other = dict(row, **_partner_identity(row, partner))
+    row["paired_with"], other["paired_with"] = other["row_id"], row["row_id"]
+    return [other]
 
 
 def paired_stats(ms: List[float], other_ms: List[float], warmup: int) -> Optional[dict]:

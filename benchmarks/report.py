@@ -293,7 +293,8 @@ def throughput_table(rows: Sequence[dict]) -> str:
 
     done = {cell(r) for r in _ok(rows)}
     anywhere = {ranks_cell(r) for r in _ok(rows) if r.get("topology_independent")}
-    failed = [r for r in rows if r.get("status") != "ok" and cell(r) not in done and ranks_cell(r) not in anywhere]
+    failed = [r for r in rows if r.get("status") != "ok" and not r.get("paired_with") and cell(r) not in done
+              and ranks_cell(r) not in anywhere]
     note = ("\nms/step: median of the timed steps of one run (after the warm-up steps), min-max beside it. default: "
             "`today` = today's shipped default (config and the fixes that change results), `then` = the shipped "
             "default of the row's commit. "
@@ -608,8 +609,8 @@ def projection_md(res: dict, rows: Sequence[dict] = ()) -> str:
         lines.append(f"| {pt.model} | {pt.topology} | {pt.key} | {r['link_gbps']:g} | {pt.gbps:.2f} "
                      f"({pt.rate_source}) | {sock} | {r['ms_per_step']:.0f} | {_ratio(r, rows, 'zero3')} | "
                      f"{_ratio(r, rows, 'zeropp')} | {r.get('commit')} |")
-    delayed = sorted((r for r in rows if r.get("link_delay_us") and r.get("config") == "sdp4bit"
-                      and r.get("status") == "ok" and r.get("ms_per_step") and projection.family(r) == fam),
+    delayed = sorted((r for r in _ok(rows) if r.get("link_delay_us") and r.get("config") == "sdp4bit"
+                      and projection.family(r) == fam),
                      key=lambda r: (r["model"], r["topology"], r["link_delay_us"], r.get("created") or ""))
     if delayed:   # measured points the model cannot describe (no latency term): shown, never fitted
         lines += ["", "Measured speed-up of SDP4Bit under the knob's one-way delay (not in the model, which has no "

@@ -538,6 +538,7 @@ def main(argv=None) -> dict:
         "notices": notices, "startup_s": phases, "start_step": start_step,
         "paired_ds_config": paired_config,
         "paired_sdp4bit_replica": getattr(getattr(paired, "sdp4bit", None), "level", None),
+        "paired_sdp4bit_evidence": _sdp4bit_evidence(paired) if paired_active else None,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     })
     if rank == 0:
@@ -604,61 +605,59 @@ def main(argv=None) -> dict:
     prof = None
     # the last --profile-steps steps (from the first step of a resumed run that starts inside them)
     prof_from = max(end_step - args.profile_steps, start_step) if args.profile_steps else None
-    exits = contextlib.ExitStack()   # closes the profiler also when a step raises
-    for step in range(start_step, end_step):
-        lr = lr_at(step, args)
-        if step == prof_from:
-            prof = exits.enter_context(torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
-                [] if ON_CPU else [torch.profiler.ProfilerActivity.CUDA])))
-        sent0 = wire_count.snapshot() if args.count_wire_bytes else None
-        pair = None
-        if paired is None:
-            mean_loss, past_time, dt = train_step(engine, step, lr, "A")
-        elif step % 2 == 0:   # A B, then B A: each engine goes first in every other step
-            mean_loss, past_time, dt = train_step(engine, step, lr, "A")
-            pair = train_step(paired, step, lr, "B")
-        else:
-            pair = train_step(paired, step, lr, "B")
-            mean_loss, past_time, dt = train_step(engine, step, lr, "A")
+    with contextlib.ExitStack() as exits:   # closes the profiler however the loop ends
+        for step in range(start_step, end_step):
+            lr = lr_at(step, args)
+            if step == prof_from:
+                acts = [torch.profiler.ProfilerActivity.CPU] + ([] if ON_CPU else [torch.profiler.ProfilerActivity.CUDA])
+                prof = exits.enter_context(torch.profiler.profile(activities=acts))
+            sent0 = wire_count.snapshot() if args.count_wire_bytes else None
+            pair = None
+            if paired is None:
+                mean_loss, past_time, dt = train_step(engine, step, lr, "A")
+            elif step % 2 == 0:   # A B, then B A: each engine goes first in every other step
+                mean_loss, past_time, dt = train_step(engine, step, lr, "A")
+                pair = train_step(paired, step, lr, "B")
+            else:
+                pair = train_step(paired, step, lr, "B")
+                mean_loss, past_time, dt = train_step(engine, step, lr, "A")
 
-        rec = {"step": step + 1, "loss": mean_loss, "lr": lr, "ms": dt * 1e3,
-               "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": _peak_mem_bytes()}
-        if pair is not None:
-            rec.update(paired_loss=pair[0], paired_ms=pair[2] * 1e3, paired_first=step % 2 == 1)
-            past_time = past_time or pair[1]
-        gn = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
-        rec["grad_norm"] = float(gn) if gn is not None else None
-        if sent0 is not None:   # bytes this rank sent in the step, by "<op>@<group size>:<intra|inter>"
-            rec["wire_counted"] = wire_count.delta(wire_count.snapshot(), sent0)
-        if summary_fn is not None:
-            rec["sdp4bit"] = _jsonable(summary_fn())
-        if pair is not None and paired_summary_fn is not None:
-            rec["paired_sdp4bit"] = _jsonable(paired_summary_fn())
-        bad = [(w, x) for w, x in (("", mean_loss), (" of the paired engine", pair and pair[0])) if x is not None
-               and not math.isfinite(x)]
-        if bad:
+            rec = {"step": step + 1, "loss": mean_loss, "lr": lr, "ms": dt * 1e3,
+                   "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": _peak_mem_bytes()}
+            if pair is not None:
+                rec.update(paired_loss=pair[0], paired_ms=pair[2] * 1e3, paired_first=step % 2 == 1)
+                past_time = past_time or pair[1]
+            gn = engine.get_global_grad_norm() if hasattr(engine, "get_global_grad_norm") else None
+            rec["grad_norm"] = float(gn) if gn is not None else None
+            if sent0 is not None:   # bytes this rank sent in the step, by "<op>@<group size>:<intra|inter>"
+                rec["wire_counted"] = wire_count.delta(wire_count.snapshot(), sent0)
+            if summary_fn is not None:
+                rec["sdp4bit"] = _jsonable(summary_fn())
+            if pair is not None and paired_summary_fn is not None:
+                rec["paired_sdp4bit"] = _jsonable(paired_summary_fn())
+            bad = [(w, x) for w, x in (("", mean_loss), (" of the paired engine", pair and pair[0])) if x is not None
+                   and not math.isfinite(x)]
+            if bad:
+                log.doc["steps"].append(rec)
+                log.doc["final"] = {"error": f"non-finite loss{bad[0][0]} {bad[0][1]} at step {step + 1}"}
+                log.write()
+                raise SystemExit(f"train_gpt.py: non-finite loss{bad[0][0]} {bad[0][1]} at step {step + 1}")
             log.doc["steps"].append(rec)
-            log.doc["final"] = {"error": f"non-finite loss{bad[0][0]} {bad[0][1]} at step {step + 1}"}
-            log.write()
-            exits.close()
-            raise SystemExit(f"train_gpt.py: non-finite loss{bad[0][0]} {bad[0][1]} at step {step + 1}")
-        log.doc["steps"].append(rec)
-        pbar.set_postfix(loss=f"{mean_loss:.4f}", ms=f"{dt * 1e3:.0f}", refresh=False)
-        pbar.update(1)
+            pbar.set_postfix(loss=f"{mean_loss:.4f}", ms=f"{dt * 1e3:.0f}", refresh=False)
+            pbar.update(1)
 
-        done = step + 1
-        if args.eval_every and done % args.eval_every == 0 and done != args.steps:
-            run_eval(done, pbar)
-        if past_time and done < end_step:
-            end_step = done   # --stop-at-time: stop here, as --stop-after would
-        if args.checkpoint_dir and args.save_every and done % args.save_every == 0 and done != end_step:
-            save(done)
-        if done % args.log_flush == 0:
-            log.write()
-        if done == end_step:
-            break
+            done = step + 1
+            if args.eval_every and done % args.eval_every == 0 and done != args.steps:
+                run_eval(done, pbar)
+            if past_time and done < end_step:
+                end_step = done   # --stop-at-time: stop here, as --stop-after would
+            if args.checkpoint_dir and args.save_every and done % args.save_every == 0 and done != end_step:
+                save(done)
+            if done % args.log_flush == 0:
+                log.write()
+            if done == end_step:
+                break
     pbar.close()
-    exits.close()
     if prof is not None:
         if rank == 0:
             _write_profile(prof, args, done - prof_from)

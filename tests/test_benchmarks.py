@@ -149,6 +149,13 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
     # paired rows stay out of the tables, the headline, the world-1 estimate of the projection
     assert not report.latest(rows) and report.headline_row(rows, "tiny", "1x1", today) is None
     assert projection.world1_estimate(1e6, rows) is None
+    # ... but the same-code goals take them: world size 1 and one node of a multi-GPU host (as 406M rows)
+    big = [dict(r, model="406M") for r in rows]
+    m, v = report._world1_goal(big, today)
+    assert m.count("paired in one process") == 1 and m.startswith("406M: paired")
+    host = [dict(r, mode="2 GPUs, nvlink") for r in big if r["topology"] == "1x2"]
+    m, v = report._one_node_goal(host, today)
+    assert m.count("paired in one process") == 1 and m.startswith("406M 1x2: paired")
     # the GPU's busy time of a step: the union of its kernels, memcpys and memsets, clipped to the step
     ev = [{"ph": "X", "cat": "user_annotation", "name": "train_step 7 A", "ts": 0, "dur": 100},
           {"ph": "X", "cat": "user_annotation", "name": "train_step 7 B", "ts": 100, "dur": 50},
