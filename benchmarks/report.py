@@ -930,29 +930,44 @@ def _paired_verdict(r: dict) -> Tuple[str, str]:
     """A paired row's (``e2e --paired``: both engines in one process, steps alternating) measured text and verdict
     from its per-step log ratios to ZeRO-3: met when exp(mean + 2 SE) <= GOAL_WORLD1, not met when exp(mean - 2 SE)
     > GOAL_WORLD1, otherwise not resolved (also with fewer than e2e.PAIRED_MIN_STEPS steps or an odd number)."""
-    st = r["paired"]
+    return _log_ratio_verdict(r["paired"], f"paired in one process, {r['paired']['n']} alternating steps")
+
+
+def _log_ratio_verdict(st: dict, label: str) -> Tuple[str, str]:
     lo, mid, hi = (math.exp(st["log_ratio_mean"] + k * st["log_ratio_se"]) for k in (-2, 0, 2))
     v = "met" if hi <= GOAL_WORLD1 else "not met" if lo > GOAL_WORLD1 else "not resolved"
     if st["n"] < e2e.PAIRED_MIN_STEPS or st["n"] % 2:
         v = "not resolved"
-    return (f"paired in one process, {st['n']} alternating steps: {100 * (mid - 1):+.2f}% "
-            f"({100 * (lo - 1):+.2f} .. {100 * (hi - 1):+.2f}%, 2 SE; median step ratio {st['ratio_median']:.4f})", v)
+    median = f"; median step ratio {st['ratio_median']:.4f}" if st.get("ratio_median") is not None else ""
+    return (f"{label}: {100 * (mid - 1):+.2f}% ({100 * (lo - 1):+.2f} .. {100 * (hi - 1):+.2f}%, 2 SE{median})", v)
+
+
+def pool_paired(stats: Sequence[dict]) -> dict:
+    """Paired runs of one cell taken together: the inverse-variance weighted mean of their mean log ratios, its
+    standard error, and their steps (``n``); the runs are independent processes, so their SEs combine."""
+    w = [1 / st["log_ratio_se"] ** 2 if st["log_ratio_se"] > 0 else 1e12 for st in stats]
+    mean = sum(wi * st["log_ratio_mean"] for wi, st in zip(w, stats)) / sum(w)
+    return {"n": sum(st["n"] for st in stats), "log_ratio_mean": mean, "log_ratio_se": math.sqrt(1 / sum(w)),
+            "runs": len(stats)}
 
 
 def _same_code_goal(cands: Sequence[dict], rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
     """Each candidate default row against ZeRO-3 of its run, where both run the same code (SDP4Bit off), with each
     step's min-max: "not resolved" when the ratio is above the goal but the ranges, the goal's 1% allowed, overlap
-    (the run's own spread), or when the two medians are of unequal step counts.  A paired row (``e2e --paired``)
-    is judged by its step-by-step ratios instead (:func:`_paired_verdict`)."""
+    (the run's own spread), or when the two medians are of unequal step counts.  Paired rows (``e2e --paired``)
+    are judged by their step-by-step ratios instead (:func:`_paired_verdict`); where a (model, topology) has them,
+    they decide it: its rows timed in separate processes are listed as superseded, and several paired runs on one
+    machine kind are pooled (:func:`pool_paired`), the pool giving that machine's verdict."""
     parts, verdicts = [], []
-    for r in cands:
-        b = _same_run(r, rows, "zero3")
-        if not b:
-            continue
+    pairs = [(r, b) for r, b in ((r, _same_run(r, rows, "zero3")) for r in cands) if b]
+    is_paired = [bool(r.get("paired") and r.get("paired_with") == b.get("row_id")) for r, b in pairs]
+    paired_cells = {(r["model"], r["topology"]) for (r, _), p in zip(pairs, is_paired) if p}
+    pools: Dict[tuple, List[dict]] = {}
+    for (r, b), p in zip(pairs, is_paired):
         what = r["model"] + ("" if r.get("topology") == "1x1" else f" {r['topology']}")
-        if r.get("paired") and r.get("paired_with") == b.get("row_id"):
+        if p:
             text, v = _paired_verdict(r)
-            verdicts.append(v)
+            pools.setdefault((what, _where(r)), []).append(r)
             parts.append(f"{what}: {text}: {v} ({_where(r)}, {_mark(r, today)})")
             continue
         q = r["ms_per_step"] / b["ms_per_step"]
@@ -962,10 +977,21 @@ def _same_code_goal(cands: Sequence[dict], rows: Sequence[dict], today: Dict[str
         why = ""
         if n != nb:   # e.g. ZeRO-3 under e2e's --timed-slow: the two medians are not of the same kind
             v, why = "not resolved", f" (timed steps: {n} vs {nb})"
-        verdicts.append(v)
+        if (r["model"], r["topology"]) in paired_cells:
+            v, why = "superseded", " by the paired runs of this cell"
+        else:
+            verdicts.append(v)
         parts.append(f"{what}: {r['ms_per_step']:.1f} ({r.get('ms_min', 0):.0f}-{r.get('ms_max', 0):.0f}) vs "
                      f"{b['ms_per_step']:.1f} ({b.get('ms_min', 0):.0f}-{b.get('ms_max', 0):.0f}) ms, "
                      f"{100 * (q - 1):+.2f}%: {v}{why} ({_where(r)}, {_mark(r, today)})")
+    for (what, where), rs in pools.items():
+        if len(rs) == 1:
+            verdicts.append(_paired_verdict(rs[0])[1])
+            continue
+        st = pool_paired([r["paired"] for r in rs])
+        text, v = _log_ratio_verdict(st, f"the {st['runs']} paired runs pooled, {st['n']} steps")
+        verdicts.append(v)
+        parts.append(f"{what}: {text}: {v} ({where})")
     return _combined(parts, verdicts)
 
 
@@ -1094,7 +1120,9 @@ GOALS_NOTE = ("Generated by `python -m benchmarks report` from the same rows (do
               "issue's goal against every run that measured it, one row per run, ratios only between rows of one "
               "run (the no-communication bound: the world-1 ZeRO-3 step of the same GPU, from any run). `not "
               "resolved`: the runs cannot tell the result from the goal (for the loss, mean +- 2 standard errors "
-              "over seeds straddles it; at world size 1, the steps' own min-max spread does). °: the run did not "
+              "over seeds straddles it; at world size 1, the steps' own min-max spread does, or for paired runs "
+              "(`e2e --paired`, which decide their cell) the mean log step ratio +- 2 standard errors, "
+              "pooled over a machine's runs). °: the run did not "
               "run today's default (another default then, or before a fix that changes results; the headline's "
               "`config run` column says how); ?: not known.\n\n")
 

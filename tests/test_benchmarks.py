@@ -183,6 +183,27 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
                               (0.0, 0.001, 11, "not resolved")):
         st = dict(d["paired"], log_ratio_mean=mean, log_ratio_se=se, n=n)
         assert report._paired_verdict(dict(d, paired=st))[1] == want
+    # a cell's paired runs on one machine pool (each alone here: +1.2% at 2 SE, not resolved; pooled: met), and
+    # its runs in separate processes are listed as superseded (this one, 2x slower, would be "not met")
+    zr = by[("1x1", "zero3")]
+    cell = []
+    for run in ("p1", "p2"):
+        st = dict(d["paired"], n=10, log_ratio_mean=0.0, log_ratio_se=0.006)
+        cell += [dict(d, model="406M", run_id=run, row_id=f"{run}/d", paired_with=f"{run}/z", paired=st),
+                 dict(zr, model="406M", run_id=run, row_id=f"{run}/z", paired_with=f"{run}/d")]
+    solo = [{k: v for k, v in dict(r, run_id="q", row_id=f"q/{r['config']}", model="406M").items()
+             if k not in ("paired", "paired_with")} for r in (d, zr)]
+    solo[0].update(ms_per_step=200.0, ms_min=190.0, ms_max=210.0)
+    solo[1].update(ms_per_step=100.0, ms_min=95.0, ms_max=105.0, timed_steps=solo[0]["timed_steps"])
+    assert [report._paired_verdict(r)[1] for r in cell[::2]] == ["not resolved"] * 2
+    m, v = report._same_code_goal([cell[0], cell[2], solo[0]], cell + solo, today)
+    assert v == "met" and "the 2 paired runs pooled, 20 steps: +0.00%" in m
+    assert "+100.00%: superseded by the paired runs of this cell" in m
+    assert report._same_code_goal([solo[0]], solo, today)[1] == "not met"   # without the paired runs
+    pooled = report.pool_paired([{"n": 10, "log_ratio_mean": 0.01, "log_ratio_se": 0.01},
+                                 {"n": 20, "log_ratio_mean": 0.04, "log_ratio_se": 0.02}])
+    assert pooled["n"] == 30 and pooled["log_ratio_mean"] == pytest.approx((0.01 / 1e-4 + 0.04 / 4e-4) / (1e4 + 2.5e3))
+    assert pooled["log_ratio_se"] == pytest.approx((1e4 + 2.5e3) ** -0.5)
     # train_gpt.py refuses what two engines in one process cannot give
     train = [sys.executable, str(suite.TRAIN), "--ds-config", "configs/zero3.json", "--paired-ds-config",
              "configs/sdp4bit.json"]
