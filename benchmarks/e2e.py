@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -391,18 +392,18 @@ def run(args) -> int:
                     row["link_stats_short"] = short
                     print(f"[e2e] {name}: WARNING {short}", flush=True)
                 trace = out / f"{run_id}_profiles" / f"{name}.trace.json.gz"
-                if not (args.profile_steps and trace.is_file()):
-                    if args.profile_steps:
-                        row["profile_missing"] = ("no trace: the run ended before its profile was written (killed, "
-                                                  "stopped or failed; see its log)")
-                    trace = None
-                else:
-                    row["profile"] = [x for x in summarize_trace(trace) if x["tag"] == "A"]
+                profile = None   # the trace's steps of both engines, read once
+                if args.profile_steps and trace.is_file():
+                    profile = summarize_trace(trace)
+                    row["profile"] = [x for x in profile if x["tag"] == "A"]
                     row["profile_trace"] = trace.name
+                elif args.profile_steps:
+                    row["profile_missing"] = ("no trace: the run ended before its profile was written (killed, "
+                                              "stopped or failed; see its log)")
                 rows.append(row)
                 if partner is not None:
                     snap = suite.config_snapshot(suite.apply_ds_set(partner.load(), partner_sets), None, parse_block)
-                    rows.append(_partner_row(row, partner, snap, log_json, warmup, world, gpn, trace))
+                    rows.append(_partner_row(row, partner, snap, log_json, warmup, world, gpn, profile))
                 if row["topology_independent"]:
                     independent[ikey] = row
                 set_bound(row, bound_rows())
@@ -466,10 +467,10 @@ PAIRED_KEYS = {"ms": "paired_ms", "loss": "paired_loss", "sdp4bit": "paired_sdp4
 
 
 def _partner_row(row: dict, partner: suite.Variant, snapshot: dict, log_json: Path, warmup: int, world: int,
-                 gpn: int, trace: Optional[Path] = None) -> dict:
+                 gpn: int, profile: Optional[List[dict]] = None) -> dict:
     """``--paired``: the row of the second config, timed in ``row``'s process; both rows get ``paired_with`` (the
-    other's id) and ``paired`` (:func:`paired_stats` of their own steps over the other's); ``trace``: the run's
-    --profile-steps trace, whose B steps are the partner's ``profile``."""
+    other's id) and ``paired`` (:func:`paired_stats` of their own steps over the other's); ``profile``: the run's
+    :func:`summarize_trace`, whose B steps are the partner's ``profile``."""
     other = dict(row, config_snapshot=snapshot, **_partner_identity(row, partner))
     for k in ("ms_per_step", "ms_min", "ms_max", "tokens_per_s", "timed_steps", "wire_bytes_per_step",
               "wire_bytes_total", "loss_last", "replica", "steps_ms", "error"):
@@ -479,8 +480,8 @@ def _partner_row(row: dict, partner: suite.Variant, snapshot: dict, log_json: Pa
         other.update(got)
         if row.get("status") != "ok":
             other["status"] = row["status"]
-    if trace is not None:
-        other["profile"] = [x for x in summarize_trace(trace) if x["tag"] == "B"]
+    if profile is not None:
+        other["profile"] = [x for x in profile if x["tag"] == "B"]
     for a, b in ((row, other), (other, row)):
         a["paired_with"] = b["row_id"]
         a.pop("peak_mem_bytes", None)   # both engines share the process: neither one's peak
@@ -510,7 +511,6 @@ def paired_stats(ms: List[float], other_ms: List[float], warmup: int) -> Optiona
     """Step by step, ``ms`` over ``other_ms`` (two engines of one process, steps alternating), past ``warmup``:
     ``n``, ``ratio_median``, ``log_ratio_mean`` and its standard error ``log_ratio_se`` (natural log), or None with
     fewer than 2 steps."""
-    import math
     logs = [math.log(a / b) for a, b in zip(ms[warmup:], other_ms[warmup:]) if a > 0 and b > 0]
     if len(logs) < 2:
         return None

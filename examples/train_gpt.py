@@ -471,9 +471,11 @@ def main(argv=None) -> dict:
 
     engine, n_params = build_engine(ds_config)
     paired = paired_config = None
+    paired_active = False
     if args.paired_ds_config:
         paired_config = build_ds_config(args, notices, paired=True)
-        deepspeed_sdp4bit.parse_ds_config(paired_config)   # its errors too name the key, before the build
+        # its errors too name the key, before the build
+        paired_active = deepspeed_sdp4bit.parse_ds_config(paired_config).active
         first = {k: phases[k] for k in ("build_model", "deepspeed_initialize")}
         paired, _ = build_engine(paired_config)
         phases["paired_engine"] = phases["build_model"] + phases["deepspeed_initialize"]
@@ -481,9 +483,10 @@ def main(argv=None) -> dict:
     summary_fn, summary_source = _find_summary(engine)
     paired_summary_fn = _find_summary(paired)[0] if paired is not None else None
     evidence = _sdp4bit_evidence(engine) if sdp_cfg.active else None
-    paired_active = paired is not None and deepspeed_sdp4bit.parse_ds_config(paired_config).active
-    for which, eng, active in (("--ds-config", engine, sdp_cfg.active), ("--paired-ds-config", paired, paired_active)):
-        if not active or (evidence if eng is engine else _sdp4bit_evidence(eng)) is not None:
+    paired_evidence = _sdp4bit_evidence(paired) if paired_active else None
+    for which, active, ev in (("--ds-config", sdp_cfg.active, evidence),
+                              ("--paired-ds-config", paired_active, paired_evidence)):
+        if not active or ev is not None:
             continue
         msg = (f"the {which} ds_config enables sdp4bit, but after deepspeed.initialize neither the engine nor its "
                "optimizer shows any trace of the sdp4bit integration (no *sdp4bit* attribute, no class from "
@@ -538,7 +541,7 @@ def main(argv=None) -> dict:
         "notices": notices, "startup_s": phases, "start_step": start_step,
         "paired_ds_config": paired_config,
         "paired_sdp4bit_replica": getattr(getattr(paired, "sdp4bit", None), "level", None),
-        "paired_sdp4bit_evidence": _sdp4bit_evidence(paired) if paired_active else None,
+        "paired_sdp4bit_evidence": paired_evidence,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
     })
     if rank == 0:

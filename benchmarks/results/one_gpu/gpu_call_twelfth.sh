@@ -29,4 +29,5 @@ nvlink)
   for i in 1 2; do python3 -m benchmarks e2e --transport nvlink --models 406M --topologies 2x2 --configs zeropp sdp4bit zero3 --slow --timed 12 --timeout 90 --out $OUT/nv --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
 *) echo "usage: $0 COMMIT BUDGET_S paired|nvlink|long|w1" >&2; exit 2 ;;
 esac
-cd $OUT && tar czf results.tgz --exclude results.tgz . && find . -mindepth 1 -not -name results.tgz -delete
+# (packed outside $OUT, then moved in: a tar written into the folder it reads fails with "file changed")
+tar czf /tmp/results.tgz -C $OUT . && find $OUT -mindepth 1 -delete && mv /tmp/results.tgz $OUT/
