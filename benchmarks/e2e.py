@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -487,6 +488,9 @@ def _partner_row(row: dict, partner: suite.Variant, snapshot: dict, log_json: Pa
         a.pop("peak_mem_bytes", None)   # both engines share the process: neither one's peak
         n = a.get("timed_steps_requested")
         a["paired"] = paired_stats((a.get("steps_ms") or [])[:warmup + n], (b.get("steps_ms") or [])[:warmup + n], warmup)
+    for a, order in ((row, "first"), (other, "second")):   # train_gpt builds the --ds-config engine first
+        if a["paired"] is not None:
+            a["paired"]["built"] = order
     return other
 
 
@@ -505,6 +509,20 @@ def _skipped_partner(row: dict, partner: Optional[suite.Variant]) -> List[dict]:
     other = dict(row, **_partner_identity(row, partner))
     row["paired_with"], other["paired_with"] = other["row_id"], row["row_id"]
     return [other]
+
+
+def paired_built(row: dict) -> Optional[str]:
+    """Which engine of its paired process ``row`` timed: "first" (train_gpt's --ds-config engine, built first) or
+    "second" (the --paired-ds-config one, built after it).  Rows written before ``paired["built"]`` existed: read
+    from their command (None when both engines came from one config file, where the command cannot tell)."""
+    st = row.get("paired") or {}
+    if st.get("built"):
+        return st["built"]
+    cmd = row.get("command") or ""
+    a, b = (re.search(rf"{flag} (\S+)", cmd) for flag in ("--ds-config", "--paired-ds-config"))
+    if not a or not b or Path(a.group(1)).stem == Path(b.group(1)).stem:
+        return None
+    return {Path(a.group(1)).stem: "first", Path(b.group(1)).stem: "second"}.get(row.get("config"))
 
 
 def paired_stats(ms: List[float], other_ms: List[float], warmup: int) -> Optional[dict]:

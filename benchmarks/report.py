@@ -951,13 +951,37 @@ def pool_paired(stats: Sequence[dict]) -> dict:
             "runs": len(stats)}
 
 
+def pool_build_orders(rows: Sequence[dict]) -> Tuple[Optional[dict], str]:
+    """One cell's paired SDP4Bit rows on one machine kind: the runs with SDP4Bit's engine built first and those with
+    it built second (:func:`e2e.paired_built`) each pooled (:func:`pool_paired`), the two orders weighted equally
+    (mean of the two means; SE the root of the sum of their squared SEs, halved).  The engine a process builds
+    second measured slower whatever its config (``one_gpu/README.md``), so only both orders together estimate
+    SDP4Bit's own cost: ``(None, why)`` where one order is missing; rows of unknown order are left out."""
+    by: Dict[Optional[str], List[dict]] = {}
+    for r in rows:
+        by.setdefault(e2e.paired_built(r), []).append(r["paired"])
+    unknown = f"; {len(by[None])} run(s) of unknown build order left out" if None in by else ""
+    pooled = {k: pool_paired(v) for k, v in by.items() if k}
+    said = "; ".join(f"SDP4Bit's engine built {k}: {100 * (math.exp(st['log_ratio_mean']) - 1):+.2f}% "
+                     f"({st['runs']} run(s), {st['n']} steps)" for k, st in sorted(pooled.items()))
+    if len(pooled) < 2:
+        return None, (f"{said or 'no paired run of known build order'}{unknown}: one build order only (a process's "
+                      f"engine built second measured slower whatever its config: runs with the other order needed)")
+    f, s = pooled["first"], pooled["second"]
+    st = {"n": f["n"] + s["n"], "runs": f["runs"] + s["runs"],
+          "log_ratio_mean": (f["log_ratio_mean"] + s["log_ratio_mean"]) / 2,
+          "log_ratio_se": math.sqrt(f["log_ratio_se"] ** 2 + s["log_ratio_se"] ** 2) / 2}
+    return st, f"{st['runs']} paired runs, both build orders weighted equally ({said}{unknown})"
+
+
 def _same_code_goal(cands: Sequence[dict], rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
     """Each candidate default row against ZeRO-3 of its run, where both run the same code (SDP4Bit off), with each
     step's min-max: "not resolved" when the ratio is above the goal but the ranges, the goal's 1% allowed, overlap
     (the run's own spread), or when the two medians are of unequal step counts.  Paired rows (``e2e --paired``)
     are judged by their step-by-step ratios instead (:func:`_paired_verdict`); where a (model, topology) has them,
-    they decide it: its rows timed in separate processes are listed as superseded, and several paired runs on one
-    machine kind are pooled (:func:`pool_paired`), the pool giving that machine's verdict."""
+    they decide it: its rows timed in separate processes are listed as superseded, and its paired runs on one
+    machine kind are pooled over the two build orders (:func:`pool_build_orders`), the pool giving that machine's
+    verdict (not resolved while one order is missing)."""
     parts, verdicts = [], []
     pairs = [(r, b) for r, b in ((r, _same_run(r, rows, "zero3")) for r in cands) if b]
     is_paired = [bool(r.get("paired") and r.get("paired_with") == b.get("row_id")) for r, b in pairs]
@@ -966,9 +990,10 @@ def _same_code_goal(cands: Sequence[dict], rows: Sequence[dict], today: Dict[str
     for (r, b), p in zip(pairs, is_paired):
         what = r["model"] + ("" if r.get("topology") == "1x1" else f" {r['topology']}")
         if p:
-            text, v = _paired_verdict(r)
+            text, _ = _paired_verdict(r)
             pools.setdefault((what, _where(r)), []).append(r)
-            parts.append(f"{what}: {text}: {v} ({_where(r)}, {_mark(r, today)})")
+            parts.append(f"{what}: {text}, SDP4Bit's engine built {e2e.paired_built(r) or '(order unknown)'} "
+                         f"({_where(r)}, {_mark(r, today)})")
             continue
         q = r["ms_per_step"] / b["ms_per_step"]
         overlap = r.get("ms_min", r["ms_per_step"]) <= GOAL_WORLD1 * b.get("ms_max", b["ms_per_step"])
@@ -985,11 +1010,8 @@ def _same_code_goal(cands: Sequence[dict], rows: Sequence[dict], today: Dict[str
                      f"{b['ms_per_step']:.1f} ({b.get('ms_min', 0):.0f}-{b.get('ms_max', 0):.0f}) ms, "
                      f"{100 * (q - 1):+.2f}%: {v}{why} ({_where(r)}, {_mark(r, today)})")
     for (what, where), rs in pools.items():
-        if len(rs) == 1:
-            verdicts.append(_paired_verdict(rs[0])[1])
-            continue
-        st = pool_paired([r["paired"] for r in rs])
-        text, v = _log_ratio_verdict(st, f"the {st['runs']} paired runs pooled, {st['n']} steps")
+        st, label = pool_build_orders(rs)
+        text, v = _log_ratio_verdict(st, label) if st else (label, "not resolved")
         verdicts.append(v)
         parts.append(f"{what}: {text}: {v} ({where})")
     return _combined(parts, verdicts)

@@ -133,8 +133,14 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
         assert report.baseline(d, rows, "zero3") == (z, True)
         text, v = report._paired_verdict(d)
         assert text.startswith("paired in one process, 10 alternating steps") and v in ("met", "not met", "not resolved")
+        # the --ds-config engine is built first; rows written before the field say it through their command
+        assert (z["paired"]["built"], d["paired"]["built"]) == ("first", "second")
+        assert [e2e.paired_built(dict(r, paired={k: x for k, x in r["paired"].items() if k != "built"}))
+                for r in (z, d)] == ["first", "second"]
+        # one build order alone decides nothing, whatever the run measured
         m, verdict = report._same_code_goal([d], rows, today)
-        assert "paired in one process" in m and verdict == v
+        assert "paired in one process" in m and "built second" in m and verdict == "not resolved"
+        assert "one build order only" in m
         # the rank-0 profile of the last two steps marks both engines' steps
         trace = gzip.open(out / f"{d['run_id']}_profiles" / f"tiny_{topo}_zero3_paired.trace.json.gz").read().decode()
         assert all(f"train_step {s} {e}" in trace for s in (12, 13) for e in "AB") and "train_step 11 " not in trace
@@ -183,12 +189,13 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
                               (0.0, 0.001, 11, "not resolved")):
         st = dict(d["paired"], log_ratio_mean=mean, log_ratio_se=se, n=n)
         assert report._paired_verdict(dict(d, paired=st))[1] == want
-    # a cell's paired runs on one machine pool (each alone here: +1.2% at 2 SE, not resolved; pooled: met), and
-    # its runs in separate processes are listed as superseded (this one, 2x slower, would be "not met")
+    # a cell's paired runs on one machine pool over the two build orders, weighted equally (each alone here: +1.2%
+    # at 2 SE, not resolved; pooled: met), and its runs in separate processes are listed as superseded (this one,
+    # 2x slower, would be "not met")
     zr = by[("1x1", "zero3")]
     cell = []
-    for run in ("p1", "p2"):
-        st = dict(d["paired"], n=10, log_ratio_mean=0.0, log_ratio_se=0.006)
+    for run, order in (("p1", "first"), ("p2", "second")):
+        st = dict(d["paired"], n=10, log_ratio_mean=0.0, log_ratio_se=0.006, built=order)
         cell += [dict(d, model="406M", run_id=run, row_id=f"{run}/d", paired_with=f"{run}/z", paired=st),
                  dict(zr, model="406M", run_id=run, row_id=f"{run}/z", paired_with=f"{run}/d")]
     solo = [{k: v for k, v in dict(r, run_id="q", row_id=f"q/{r['config']}", model="406M").items()
@@ -197,8 +204,18 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
     solo[1].update(ms_per_step=100.0, ms_min=95.0, ms_max=105.0, timed_steps=solo[0]["timed_steps"])
     assert [report._paired_verdict(r)[1] for r in cell[::2]] == ["not resolved"] * 2
     m, v = report._same_code_goal([cell[0], cell[2], solo[0]], cell + solo, today)
-    assert v == "met" and "the 2 paired runs pooled, 20 steps: +0.00%" in m
+    assert v == "met" and "2 paired runs, both build orders weighted equally" in m and "): +0.00% (" in m
     assert "+100.00%: superseded by the paired runs of this cell" in m
+    # the two orders weigh equally however many runs each has: a build-order effect of +-1% cancels
+    st2 = report.pool_build_orders([dict(cell[0], paired=dict(cell[0]["paired"], log_ratio_mean=-0.01)),
+                                    dict(cell[2], paired=dict(cell[2]["paired"], log_ratio_mean=0.01))] * 1
+                                   + [dict(cell[2], paired=dict(cell[2]["paired"], log_ratio_mean=0.01))] * 3)[0]
+    assert st2["log_ratio_mean"] == pytest.approx(0.0) and st2["runs"] == 5 and st2["n"] == 50
+    assert st2["log_ratio_se"] == pytest.approx(math.sqrt(0.006 ** 2 + 0.006 ** 2 / 4) / 2)
+    # both runs with SDP4Bit's engine built second: however many, not resolved
+    same = [dict(r, paired=dict(r["paired"], built="second")) if r.get("config") == d["config"] else r for r in cell]
+    m, v = report._same_code_goal([same[0], same[2]], same, today)
+    assert v == "not resolved" and "one build order only" in m and "(2 run(s), 20 steps)" in m
     assert report._same_code_goal([solo[0]], solo, today)[1] == "not met"   # without the paired runs
     pooled = report.pool_paired([{"n": 10, "log_ratio_mean": 0.01, "log_ratio_se": 0.01},
                                  {"n": 20, "log_ratio_mean": 0.04, "log_ratio_se": 0.02}])
