@@ -104,9 +104,9 @@ VARIANTS: Dict[str, Dict[str, Optional[dict]]] = {
     "ulq": {"grads": {"intra_bits": 4, "hadamard": False}, "weights": None},
     # ZeRO++-like: ULq gradients as above and the weights sent directly at 8 bits (qwZ; groups of 2048 here)
     "zeropp_like": {"grads": {"intra_bits": 4, "hadamard": False}, "weights": {"mode": "direct", "bits": 8}},
-    # the shipped config with the node sums at 8 bits for the first 100 steps only ("grads_first": the gradient
-    # settings of steps below "steps"): the 25-step warm-up's cost appeared right after the lr peak (issue 21)
-    "sdp4bit_inter8_first100": {"grads": {}, "weights": {}, "grads_first": {"steps": 100, "inter_bits": 8}},
+    # the shipped config with the node sums at 8 bits for the first 100 steps only (gradients.inter8_steps): the
+    # 25-step warm-up's cost appeared right after the lr peak (issue 21)
+    "sdp4bit_inter8_first100": {"grads": {"inter8_steps": 100}, "weights": {}},
 }
 
 
@@ -186,9 +186,6 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
     shape = TopologyShape(N, g)
     W = shape.world_size
     gcfg = GradientsConfig(**{**SDP_GRADS, **spec["grads"]}) if spec["grads"] is not None else None
-    first = dict(spec.get("grads_first") or {})
-    first_steps = first.pop("steps", 0)
-    gcfg_first = GradientsConfig(**{**SDP_GRADS, **spec["grads"], **first}) if first_steps else None
     wcfg = WeightsConfig(**{**SDP_WEIGHTS, **spec["weights"]}) if spec["weights"] is not None else None
     model = GPT(GPTConfig(d_model=a.d_model, n_layers=a.layers, n_heads=a.heads, seq_len=a.seq),
                 seed=a.model_seed).to(device=a.device, dtype=torch.bfloat16)
@@ -236,8 +233,7 @@ def run(a, variant: str, topo: str, data_seed: int, corpus) -> dict:
         else:
             full = [None] * len(params)
             for b, idx in enumerate(buckets):
-                cfg_now = gcfg_first if step < first_steps else gcfg
-                outs = simulate_reduce_scatter([[grads_r[r][i] for i in idx] for r in range(W)], shape, cfg_now,
+                outs = simulate_reduce_scatter([[grads_r[r][i] for i in idx] for r in range(W)], shape, gcfg,
                                                a.sdp_seed, step=step, bucket_id=b, op="mean",
                                                backend=a.backend, residuals=residuals,
                                                residual_key=("bucket", b))

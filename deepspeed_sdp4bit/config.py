@@ -140,6 +140,14 @@ class GradientsConfig(_Strict):
                                               "gpus_per_node; not in checkpoints; not with fp16); measured: a larger "
                                               "loss gap, not a smaller one"))
 
+    # Issue 21: under a short lr warm-up the 4-bit node sums cost loss right after the lr peak, the trajectory leaving
+    # ZeRO-3's there; 8 bits between nodes for the first steps only (then inter_bits) measured closer to ZeRO-3 in
+    # the GPU simulation (benchmarks/results/accuracy_sim/README.md).  Opt-in until measured under every schedule.
+    inter8_steps: int = Field(0, ge=0, le=1 << 30,
+                              description=("the first N optimizer steps send the inter-node level at 8 bits, then "
+                                           "`inter_bits` (4); 0 = never; for short lr warm-ups: measured closer to "
+                                           "ZeRO-3 with 100 (a checkpoint resumes the count)"))
+
     @field_validator("hadamard_size")
     @classmethod
     def _pow2(cls, v):
@@ -155,6 +163,9 @@ class GradientsConfig(_Strict):
         if self.error_feedback and self.inter_bits == 16:
             raise ValueError("error_feedback carries the inter-node level's quantization error, but inter_bits is "
                              "16 (unquantized): set inter_bits to 4 or 8, or error_feedback to false")
+        if self.inter8_steps and self.inter_bits != 4:
+            raise ValueError(f"inter8_steps sends the inter-node level at 8 bits before it drops to inter_bits 4, but "
+                             f"inter_bits is {self.inter_bits}: set inter8_steps to 0 (omit it), or inter_bits to 4")
         if self.hadamard and self.group_size % self.hadamard_size:
             raise ValueError(f"group_size ({self.group_size}) must be a multiple of hadamard_size "
                              f"({self.hadamard_size}): scales are computed over whole transformed blocks")

@@ -859,9 +859,9 @@ def test_accuracy_sim_floor_variant_and_deadline_pace(tmp_path, monkeypatch, cap
     losses = {r["variant"]: r["losses"] for r in json.loads((tmp_path / "w.json").read_text())["runs"]}
     assert losses["zero3"][0] == losses["zero3_fp32"][0] and losses["zero3"][1:] != losses["zero3_fp32"][1:]
     assert losses["sdp4bit"][:2] == losses["sdp4bit_ef"][:2] and losses["sdp4bit"][2] != losses["sdp4bit_ef"][2]
-    # grads_first: the first steps' gradient settings (8 bits between nodes), then the variant's own
+    # gradients.inter8_steps: 8 bits between nodes for the first steps, then the variant's own 4
     monkeypatch.setitem(S.VARIANTS, "first1", dict(S.VARIANTS["sdp4bit_inter8_first100"],
-                                                   grads_first={"steps": 1, "inter_bits": 8}))
+                                                   grads={"inter8_steps": 1}))
     S.main(["--variants", "sdp4bit_inter8", "sdp4bit_inter8_first100", "first1", "--out", str(tmp_path / "f.json")]
            + tiny)
     lf = {r["variant"]: r["losses"] for r in json.loads((tmp_path / "f.json").read_text())["runs"]}

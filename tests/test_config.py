@@ -66,6 +66,9 @@ def test_a_key_in_the_wrong_section_is_sent_where_it_belongs(block, where, home)
     ({"weights": [1]}, "weights: must be a JSON object of keys, got [1]"),
     ({"gradients": {"rounding": "up"}}, "gradients.rounding"),
     ({"gradients": {"pipeline_chunks": 0}}, "gradients.pipeline_chunks"),
+    ({"gradients": {"inter8_steps": -5}}, "gradients.inter8_steps"),
+    ({"gradients": {"inter8_steps": 100, "inter_bits": 8}}, "gradients: inter8_steps sends the inter-node level at 8 "
+                                                            "bits before it drops to inter_bits 4, but inter_bits is 8"),
     ({"topology": {"gpus_per_node": 0}}, "topology.gpus_per_node"),
     ({"kernel_backend": "cutlass"}, "kernel_backend"),
     ({"seed": -1}, "seed"),

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from deepspeed_sdp4bit.collectives.gradients import (GradientReducer, ResidualStore, expected_list_wire_bytes,
                                                      expected_wire_bytes, list_layout, make_plan,
-                                                     partition_numels, segment_numel_for,
+                                                     partition_numels, segment_numel_for, settings_at,
                                                      simulate_reduce_scatter, simulate_reduce_scatter_flat)
 from deepspeed_sdp4bit.collectives.stats import CommStats
 from deepspeed_sdp4bit.config import GradientsConfig
@@ -325,6 +325,26 @@ def _check_pipeline_and_steps(topo, rank, W, shape):
         assert sorted(mine, key=repr) == sorted(sim, key=repr) and (not sim) == (shape.num_nodes == 1)
         assert all(torch.equal(mine[k], sim[k]) for k in sim), intra
 
+    # gradients.inter8_steps: steps below it are the 8-bit config's, bit for bit and byte for byte, later ones the
+    # 4-bit config's; the collective switches where the simulator does (flat and list layouts)
+    cfg_i8 = GradientsConfig(rounding="stochastic", pipeline_chunks=2, inter8_steps=2)
+    red_i8 = GradientReducer(topo, cfg_i8, seed=SEED)
+    for t, bits in ((0, 8), (1, 8), (2, 4), (9, 4)):
+        like = GradientReducer(topo, GradientsConfig(rounding="stochastic", pipeline_chunks=2, inter_bits=bits),
+                               seed=SEED)
+        before = dict(red_i8.stats.bytes_by_level)
+        out = red_i8.reduce_scatter_flat(xs[rank], step=t)
+        assert torch.equal(out, like.reduce_scatter_flat(xs[rank], step=t)), (t, bits)
+        assert torch.equal(out, simulate_reduce_scatter_flat(xs, shape, cfg_i8, SEED, step=t)[rank]), t
+        sent = {k: v - before.get(k, 0) for k, v in red_i8.stats.bytes_by_level.items()}
+        assert sent == dict(like.stats.bytes_by_level), (t, sent, like.stats.bytes_by_level)
+        ts = [xs[rank][:70].clone(), xs[rank][70:301].clone()]
+        got = red_i8.reduce_scatter(ts, step=t)
+        want = simulate_reduce_scatter([[x[:70].clone(), x[70:301].clone()] for x in xs], shape, cfg_i8, SEED,
+                                       step=t)[rank]
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), t
+    assert red_i8.cfg.inter_bits == 4 and red_i8.cfg_at(1).inter_bits == 8 and red_i8.cfg_at(2) is red_i8.cfg
+
     red = GradientReducer(topo, GradientsConfig(rounding="stochastic"), seed=SEED)
     a = red.reduce_scatter_flat(xs[rank], step=5)
     b = red.reduce_scatter_flat(xs[rank], step=5)
@@ -565,6 +585,26 @@ def test_residual_store_keys_and_steps():
     st.get((("p", 1, 2), 0), 8, "cpu")
     st.end_step(skipped=True)
     assert st.nbytes() == 0 and st.keys() == []
+
+
+def test_inter8_steps_config_and_one_node():
+    """gradients.inter8_steps: 8 bits between nodes below the step, the config itself from it on; refused where
+    the inter level is not at 4 bits; on one node it changes nothing, and the reducer says so."""
+    cfg = GradientsConfig(inter8_steps=100)
+    assert settings_at(cfg, 99).inter_bits == 8 and settings_at(cfg, 99).inter8_steps == 100
+    assert settings_at(cfg, 100) is cfg and settings_at(GradientsConfig(), 0).inter_bits == 4
+    for bits in (8, 16):
+        with pytest.raises(ValueError, match=f"inter8_steps sends the inter-node level at 8 bits .* inter_bits is {bits}"):
+            GradientsConfig(inter_bits=bits, inter8_steps=10)
+    with pytest.raises(ValueError, match="inter8_steps"):
+        GradientsConfig(inter8_steps=-1)
+    shape = TopologyShape(1, 4)
+    inputs = _normal_flats("i8", 256, 4)
+    a = simulate_reduce_scatter_flat(inputs, shape, GradientsConfig(inter8_steps=5), SEED, step=0)
+    b = simulate_reduce_scatter_flat(inputs, shape, GradientsConfig(), SEED, step=0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    with pytest.warns(UserWarning, match="inter8_steps has nothing to change on one node"):
+        GradientReducer(_fake_topology(1, 4), GradientsConfig(inter8_steps=5), seed=SEED)
 
 
 def test_error_feedback_does_nothing_on_one_node():

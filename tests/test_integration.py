@@ -736,8 +736,10 @@ def _pipeline_worker(rank, world, backend, steps):
     for name, grads in (("nearest1", {"rounding": "nearest", "pipeline_chunks": 1}),
                         ("nearest3", {"rounding": "nearest", "pipeline_chunks": 3}),
                         ("sr2", {"pipeline_chunks": 2}),
-                        ("ef", {"pipeline_chunks": 2, "error_feedback": True})):
-        if name in ("sr2", "ef") and backend != "torch":
+                        ("ef", {"pipeline_chunks": 2, "error_feedback": True}),
+                        ("inter8", {"pipeline_chunks": 2, "inter_bits": 8}),
+                        ("i8first2", {"pipeline_chunks": 2, "inter8_steps": 2})):
+        if name in ("sr2", "ef", "inter8", "i8first2") and backend != "torch":
             continue
         chunks.clear()
         e = du.make_engine(du.base_config(sdp4bit=block(backend, gradients=grads)))
@@ -782,6 +784,12 @@ def test_pipeline_chunks_in_the_engine(variant):
         assert not any("'bucket'" in k for k in r["ef_keys"])   # named by the bucket's parameters
         assert r["ef"] != r["sr2"]
         _close(r["ef"], r["plain"], 3e-2)
+        # gradients.inter8_steps in the engine: its first 2 steps are those of inter_bits 8 bit for bit (the losses
+        # up to step 2 depend on those updates only), then 4 bits: the last step sends what the 4-bit config sends
+        assert r["i8first2"][:3] == r["inter8"][:3] and r["i8first2"][1] != r["sr2"][1]
+        assert r["i8first2"][3:] != r["inter8"][3:]
+        grads = {k: r[k + "_summary"]["gradients"]["bytes_by_level"] for k in ("i8first2", "sr2", "inter8")}
+        assert grads["i8first2"] == grads["sr2"] and grads["sr2"]["inter"] < grads["inter8"]["inter"]
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -173,6 +173,12 @@ def make_plan(segment: int, shape: TopologyShape, cfg: GradientsConfig,
                       rounding=cfg.rounding, comm_dtype=dtype, error_feedback=cfg.error_feedback)
 
 
+def settings_at(cfg: GradientsConfig, step: int) -> GradientsConfig:
+    """The settings optimizer step ``step`` runs with: ``cfg`` with ``inter_bits`` 8 while ``step <
+    cfg.inter8_steps`` (issue 21), else ``cfg`` itself.  The collective and its simulation both ask here."""
+    return cfg.model_copy(update={"inter_bits": 8}) if step < cfg.inter8_steps else cfg
+
+
 def _level_bytes_per_value(level: _Level, group_size: int, comm_dtype: torch.dtype) -> float:
     if level.quantized:
         return level.bits / 8 + 4 / group_size
@@ -506,6 +512,7 @@ class GradientReducer:
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < (1 << 32):
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         self.seed = seed
+        self._early = settings_at(self.cfg, 0) if self.cfg.inter8_steps else None   # built once
         if backend not in ops.BACKEND_NAMES:
             raise ValueError(f"backend must be one of {ops.BACKEND_NAMES}, got {backend!r}")
         self.backend_name = backend
@@ -514,11 +521,18 @@ class GradientReducer:
         self.stats = CommStats()
         # error feedback (cfg.error_feedback): the inter level's residuals; ends its steps through end_step
         self.residuals: Optional[ResidualStore] = ResidualStore() if self.cfg.error_feedback else None
+        if self.cfg.inter8_steps and topology.shape.num_nodes == 1:
+            warnings.warn("sdp4bit: gradients.inter8_steps has nothing to change on one node (no inter-node level)",
+                          stacklevel=2)
         if self.cfg.error_feedback and topology.shape.num_nodes == 1:
             warnings.warn("sdp4bit: gradients.error_feedback has nothing to carry on one node (no inter-node "
                           "level): it keeps no residual", stacklevel=2)
 
     # -- helpers --
+    def cfg_at(self, step: int) -> GradientsConfig:
+        """:func:`settings_at` of this reducer's settings (the early ones built once)."""
+        return self._early if self._early is not None and step < self.cfg.inter8_steps else self.cfg
+
     def _backend(self, device: torch.device) -> ops.Backend:
         device = torch.device(device)
         if device not in self._backends:
@@ -604,8 +618,10 @@ class GradientReducer:
             raise ValueError(f"tensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         W, rank = self.topology.world_size, self.topology.rank
         numels = [t.numel() for t in tensors]
-        parts, cols, S = list_layout(numels, W, list_unit(self.topology.shape, self.cfg))
-        plan = make_plan(S, self.topology.shape, self.cfg, dtype)
+        _check_ints(step, bucket_id)
+        cfg = self.cfg_at(step)
+        parts, cols, S = list_layout(numels, W, list_unit(self.topology.shape, cfg))
+        plan = make_plan(S, self.topology.shape, cfg, dtype)
         # Write the interleaved layout straight into a padded [W, S_p] buffer (one copy of the inputs).
         buf = self._pool.get("list_input", W * plan.padded, dtype, device).view(W, plan.padded)
         _write_list_input(buf, tensors, parts, cols)
@@ -618,7 +634,7 @@ class GradientReducer:
                 bucket_id: int, rkey: tuple) -> torch.Tensor:
         post = _post_scale(op, self.topology.world_size)
         _check_ints(step, bucket_id)
-        plan = make_plan(S, self.topology.shape, self.cfg, flat.dtype)
+        plan = make_plan(S, self.topology.shape, self.cfg_at(step), flat.dtype)
         rank = self.topology.rank
         self.stats.begin_call()
         self.stats.add_baseline((plan.world - 1) * S_baseline * BASELINE_BYTES_PER_VALUE)
@@ -747,6 +763,7 @@ def simulate_reduce_scatter_flat(inputs: List[torch.Tensor], shape: TopologyShap
             raise ValueError(f"inputs[{r}] must have {W * S} elements of {inputs[0].dtype}, like inputs[0]")
     post = _post_scale(op, W)
     _check_ints(step, bucket_id)
+    cfg = settings_at(_check_cfg(cfg), step)
     plan = make_plan(S, shape, cfg, inputs[0].dtype)
     if cfg.error_feedback and (residuals is None or len(residuals) != W
                                or not all(isinstance(x, ResidualStore) for x in residuals)):
@@ -808,6 +825,8 @@ def simulate_reduce_scatter(tensors: Sequence[Sequence[torch.Tensor]], shape: To
         if [t.numel() for t in ts] != numels:
             raise ValueError(f"tensors[{r}] has numels {[t.numel() for t in ts]}, tensors[0] {numels}")
     dtype = tensors[0][0].dtype
+    _check_ints(step, bucket_id)
+    cfg = settings_at(_check_cfg(cfg), step)
     parts, cols, S = list_layout(numels, W, list_unit(shape, cfg))
     Sp = make_plan(S, shape, cfg, dtype).padded
     flats = []
