@@ -231,6 +231,9 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
                          "sdp4bit is used")
             return out
         lines += [f"note: {n}" for n in notes]
+        if not any(k in ds_config for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
+            lines.append("note: no train_batch_size / train_micro_batch_size_per_gpu: deepspeed.initialize refuses a "
+                         "config without one (the examples and the HF Trainer add it; a script of your own must)")
         given = requested.topology.gpus_per_node
         if given is not None and gpus_per_node is not None and int(given) != int(gpus_per_node):
             lines.append(f"note: the config's sdp4bit.topology.gpus_per_node={given} is used, not --gpus-per-node "

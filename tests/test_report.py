@@ -62,6 +62,20 @@ def test_linter_ok_prints_levels_and_bytes(capsys):
     assert once == pytest.approx(p["bytes"]["sdp4bit"]["totals"]["total"] / sum(r["bytes"] for r in fwd), abs=1e-3)
 
 
+def test_linter_notes_a_missing_batch_size_and_the_early_8_bit_steps():
+    """deepspeed.initialize refuses a config without a batch size: the linter says so (a note: the examples and the
+    HF Trainer add it); gradients.inter8_steps is named on the inter-node line."""
+    ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
+    note = "no train_batch_size / train_micro_batch_size_per_gpu"
+    assert any(note in x for x in report.plan(ds, 16, 8)["lines"])
+    ds.update(train_micro_batch_size_per_gpu=4)
+    ds["sdp4bit"]["gradients"]["inter8_steps"] = 100
+    lines = report.plan(ds, 16, 8)["lines"]
+    assert not any(note in x for x in lines)
+    inter = [x for x in lines if x.startswith("gradients, inter-node")]
+    assert len(inter) == 1 and "4-bit, group 128 (8-bit for the first 100 optimizer steps" in inter[0]
+
+
 def test_plan_bytes_are_the_models():
     ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
     p = report.plan(ds, 16, 8, 10 ** 9)
