@@ -204,7 +204,7 @@ def mean_se(xs: Sequence[float]) -> Tuple[float, Optional[float]]:
 
 # Keys added after rows were measured whose value here is what the code did before the key existed: a row
 # without the key ran that value (an opt-in feature added later changes nothing a row measured).
-BEHAVIOUR_BEFORE_KEY = {"sdp4bit.gradients.error_feedback": False}
+BEHAVIOUR_BEFORE_KEY = {"sdp4bit.gradients.error_feedback": False, "sdp4bit.gradients.inter8_steps": 0}
 
 
 def config_differences(row_snapshot: Dict[str, object], today: Dict[str, object]) -> Dict[str, tuple]:
