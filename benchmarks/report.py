@@ -959,11 +959,18 @@ def pool_build_orders(rows: Sequence[dict]) -> Tuple[Optional[dict], str]:
     SDP4Bit's own cost: ``(None, why)`` where one order is missing; rows of unknown order are left out."""
     by: Dict[Optional[str], List[dict]] = {}
     for r in rows:
-        by.setdefault(e2e.paired_built(r), []).append(r["paired"])
-    unknown = f"; {len(by[None])} run(s) of unknown build order left out" if None in by else ""
+        st = r.get("paired") or {}
+        usable = (st.get("log_ratio_se") or 0) > 0 and st.get("n", 0) >= 2   # an SE of 0 would outweigh the rest
+        order = e2e.paired_built(r)
+        by.setdefault(order if usable and order in ("first", "second") else None, []).append(st)
+    unknown = (f"; {len(by[None])} run(s) of unknown build order or without a spread left out" if None in by
+               else "")
     pooled = {k: pool_paired(v) for k, v in by.items() if k}
     said = "; ".join(f"SDP4Bit's engine built {k}: {100 * (math.exp(st['log_ratio_mean']) - 1):+.2f}% "
                      f"({st['runs']} run(s), {st['n']} steps)" for k, st in sorted(pooled.items()))
+    short = [k for k, st in pooled.items() if st["n"] < e2e.PAIRED_MIN_STEPS]
+    if short:
+        return None, f"{said}{unknown}: fewer than {e2e.PAIRED_MIN_STEPS} steps with SDP4Bit's engine built {short[0]}"
     if len(pooled) < 2:
         return None, (f"{said or 'no paired run of known build order'}{unknown}: one build order only (a process's "
                       f"engine built second measured slower whatever its config: runs with the other order needed)")

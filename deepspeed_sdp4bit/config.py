@@ -144,9 +144,10 @@ class GradientsConfig(_Strict):
     # ZeRO-3's there; 8 bits between nodes for the first steps only (then inter_bits) measured closer to ZeRO-3 in
     # the GPU simulation (benchmarks/results/accuracy_sim/README.md).  Opt-in until measured under every schedule.
     inter8_steps: int = Field(0, ge=0, le=1 << 30,
-                              description=("the first N optimizer steps send the inter-node level at 8 bits, then "
-                                           "`inter_bits` (4); 0 = never; for short lr warm-ups: measured closer to "
-                                           "ZeRO-3 with 100 (a checkpoint resumes the count)"))
+                              description=("the first N optimizer steps (overflow-skipped ones included) send the "
+                                           "inter-node level at 8 bits, then `inter_bits` (4); 0 = never; for short "
+                                           "lr warm-ups: measured closer to ZeRO-3 with 100 (a checkpoint resumes "
+                                           "the count)"))
 
     @field_validator("hadamard_size")
     @classmethod

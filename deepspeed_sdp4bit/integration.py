@@ -1253,7 +1253,15 @@ def _engine_load_checkpoint(orig):
     @functools.wraps(orig)
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         st = get_state(self.optimizer) if getattr(self, "optimizer", None) is not None else None
-        if st is not None and not self.load_universal_checkpoint():
+        if st is not None and self.load_universal_checkpoint():
+            # a universal load bypasses _rigid_load_state_dict: the replica and SDP4Bit's step would not be restored
+            raise NotImplementedError(
+                "sdp4bit: universal checkpoints (ds_config checkpoint.load_universal) are not supported yet: their "
+                "load skips the bf16 replica and the step count SDP4Bit saves. Resume the checkpoint as saved "
+                "(checkpoint.load_universal false, the same ranks and layout), or take the weights "
+                "(engine.save_16bit_model / the Trainer's save_model, or DeepSpeed's zero_to_fp32.py) and start a new "
+                "run from them")
+        if st is not None:
             saved, t = _saved_dp_world_size(self, load_dir, tag)
             cur = st.topology.world_size
             if saved is not None and saved != cur:

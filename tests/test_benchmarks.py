@@ -212,6 +212,12 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
                                    + [dict(cell[2], paired=dict(cell[2]["paired"], log_ratio_mean=0.01))] * 3)[0]
     assert st2["log_ratio_mean"] == pytest.approx(0.0) and st2["runs"] == 5 and st2["n"] == 50
     assert st2["log_ratio_se"] == pytest.approx(math.sqrt(0.006 ** 2 + 0.006 ** 2 / 4) / 2)
+    # an order of too few steps, or a run without a spread (SE 0), decides nothing
+    tiny = [dict(cell[0], paired=dict(cell[0]["paired"], n=4)), cell[2]]
+    assert report.pool_build_orders(tiny)[0] is None and "fewer than 10 steps" in report.pool_build_orders(tiny)[1]
+    flat = [dict(cell[0], paired=dict(cell[0]["paired"], log_ratio_se=0.0)), cell[2]]
+    st0, why = report.pool_build_orders(flat)
+    assert st0 is None and "1 run(s) of unknown build order or without a spread left out" in why
     # both runs with SDP4Bit's engine built second: however many, not resolved
     same = [dict(r, paired=dict(r["paired"], built="second")) if r.get("config") == d["config"] else r for r in cell]
     m, v = report._same_code_goal([same[0], same[2]], same, today)

@@ -344,6 +344,25 @@ def _check_pipeline_and_steps(topo, rank, W, shape):
                                        step=t)[rank]
         assert all(torch.equal(g, w) for g, w in zip(got, want)), t
     assert red_i8.cfg.inter_bits == 4 and red_i8.cfg_at(1).inter_bits == 8 and red_i8.cfg_at(2) is red_i8.cfg
+    # the 8-bit steps' buffers are dropped at the first step past them: the pool then holds the 4-bit sizes only
+    fresh = GradientReducer(topo, cfg_i8, seed=SEED)
+    fresh.reduce_scatter_flat(xs[rank], step=0)
+    fresh.reduce_scatter_flat(xs[rank], step=5)
+    plain = GradientReducer(topo, GradientsConfig(rounding="stochastic", pipeline_chunks=2), seed=SEED)
+    plain.reduce_scatter_flat(xs[rank], step=5)
+    assert fresh.buffer_bytes() == plain.buffer_bytes()
+    # with error feedback too: the residuals carry across the switch as the simulator's do
+    cfg_efi8 = GradientsConfig(rounding="stochastic", pipeline_chunks=2, error_feedback=True, inter8_steps=1)
+    red_efi8, res = GradientReducer(topo, cfg_efi8, seed=SEED), [ResidualStore() for _ in range(W)]
+    for t in (0, 1, 2):
+        xt = _normal_flats(("efi8", t), S)
+        out = red_efi8.reduce_scatter_flat(xt[rank], step=t)
+        assert torch.equal(out, simulate_reduce_scatter_flat(xt, shape, cfg_efi8, SEED, step=t, residuals=res)[rank]), t
+        red_efi8.residuals.end_step()
+        for d in res:
+            d.end_step()
+    mine, sim = red_efi8.residuals.tensors(), res[rank].tensors()
+    assert sorted(mine, key=repr) == sorted(sim, key=repr) and all(torch.equal(mine[k], sim[k]) for k in sim)
 
     red = GradientReducer(topo, GradientsConfig(rounding="stochastic"), seed=SEED)
     a = red.reduce_scatter_flat(xs[rank], step=5)
@@ -591,7 +610,8 @@ def test_inter8_steps_config_and_one_node():
     """gradients.inter8_steps: 8 bits between nodes below the step, the config itself from it on; refused where
     the inter level is not at 4 bits; on one node it changes nothing, and the reducer says so."""
     cfg = GradientsConfig(inter8_steps=100)
-    assert settings_at(cfg, 99).inter_bits == 8 and settings_at(cfg, 99).inter8_steps == 100
+    early = settings_at(cfg, 99)
+    assert early.inter_bits == 8 and early.inter8_steps == 0 and GradientsConfig(**early.model_dump()) == early
     assert settings_at(cfg, 100) is cfg and settings_at(GradientsConfig(), 0).inter_bits == 4
     for bits in (8, 16):
         with pytest.raises(ValueError, match=f"inter8_steps sends the inter-node level at 8 bits .* inter_bits is {bits}"):

@@ -175,8 +175,9 @@ def make_plan(segment: int, shape: TopologyShape, cfg: GradientsConfig,
 
 def settings_at(cfg: GradientsConfig, step: int) -> GradientsConfig:
     """The settings optimizer step ``step`` runs with: ``cfg`` with ``inter_bits`` 8 while ``step <
-    cfg.inter8_steps`` (issue 21), else ``cfg`` itself.  The collective and its simulation both ask here."""
-    return cfg.model_copy(update={"inter_bits": 8}) if step < cfg.inter8_steps else cfg
+    cfg.inter8_steps`` (issue 21; a valid config of its own, with ``inter8_steps`` 0), else ``cfg`` itself.  The
+    collective and its simulation both ask here."""
+    return cfg.model_copy(update={"inter_bits": 8, "inter8_steps": 0}) if step < cfg.inter8_steps else cfg
 
 
 def _level_bytes_per_value(level: _Level, group_size: int, comm_dtype: torch.dtype) -> float:
@@ -513,6 +514,7 @@ class GradientReducer:
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         self.seed = seed
         self._early = settings_at(self.cfg, 0) if self.cfg.inter8_steps else None   # built once
+        self._early_buffers = self._early is not None   # the 8-bit steps' larger buffers, dropped once after them
         if backend not in ops.BACKEND_NAMES:
             raise ValueError(f"backend must be one of {ops.BACKEND_NAMES}, got {backend!r}")
         self.backend_name = backend
@@ -532,6 +534,15 @@ class GradientReducer:
     def cfg_at(self, step: int) -> GradientsConfig:
         """:func:`settings_at` of this reducer's settings (the early ones built once)."""
         return self._early if self._early is not None and step < self.cfg.inter8_steps else self.cfg
+
+    def _settings(self, step: int) -> GradientsConfig:
+        """:meth:`cfg_at` for a reduce of ``step``; the first reduce past ``inter8_steps`` drops the cached buffers
+        (the pool only grows: the 8-bit inter-node messages would stay at twice the size the later steps use)."""
+        cfg = self.cfg_at(step)
+        if self._early_buffers and cfg is self.cfg:
+            self._pool.clear()
+            self._early_buffers = False
+        return cfg
 
     def _backend(self, device: torch.device) -> ops.Backend:
         device = torch.device(device)
@@ -619,7 +630,7 @@ class GradientReducer:
         W, rank = self.topology.world_size, self.topology.rank
         numels = [t.numel() for t in tensors]
         _check_ints(step, bucket_id)
-        cfg = self.cfg_at(step)
+        cfg = self._settings(step)
         parts, cols, S = list_layout(numels, W, list_unit(self.topology.shape, cfg))
         plan = make_plan(S, self.topology.shape, cfg, dtype)
         # Write the interleaved layout straight into a padded [W, S_p] buffer (one copy of the inputs).
@@ -634,7 +645,7 @@ class GradientReducer:
                 bucket_id: int, rkey: tuple) -> torch.Tensor:
         post = _post_scale(op, self.topology.world_size)
         _check_ints(step, bucket_id)
-        plan = make_plan(S, self.topology.shape, self.cfg_at(step), flat.dtype)
+        plan = make_plan(S, self.topology.shape, self._settings(step), flat.dtype)
         rank = self.topology.rank
         self.stats.begin_call()
         self.stats.add_baseline((plan.world - 1) * S_baseline * BASELINE_BYTES_PER_VALUE)

@@ -9,9 +9,11 @@
 #   w1x4r   the same with the engines built in the other order (SDP4Bit's first) and 300 timed steps: w1x4's four
 #           runs all had ZeRO-3's engine built first, so a build-order effect would look like SDP4Bit's cost
 #           (M=406M before the command: the 406M instead of the 1.3B)
+#   w1x4b   (planned, not run) both orders in one call, 300 timed steps: GPUs 0-1 ZeRO-3's engine built first, 2-3
+#           SDP4Bit's (w1x4 and w1x4r ran in different calls, whose hosts differed)
 #   nvr     (planned, not run) one node of 4 GPUs on NVLink, 406M and 1.3B paired with SDP4Bit's engine built first,
 #           200 timed steps each: the 1x4 cells have runs of the other order only
-# usage: bash THIS COMMIT BUDGET_S paired|nvlink|long|w1|w1x4|w1x4r|nvr   (w1: paired's world-1 part alone)
+# usage: bash THIS COMMIT BUDGET_S paired|nvlink|long|w1|w1x4|w1x4r|w1x4b|nvr   (w1: paired's world-1 part alone)
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).  The first call of the session
 # returned 8 of its files: the world-1 part was run again (w1), so its 1x4 rows are those of the first call.
 commit=$1; budget=$2
@@ -30,9 +32,10 @@ paired|w1|long)
   wait; grep "\[e2e\]" $OUT/w1_*.log
   [ "$3" = paired ] && for m in 406M 1.3B; do python3 -m benchmarks e2e --transport nvlink --models $m --topologies 1x4 --configs zero3 sdp4bit $P --timeout 200 --out $OUT/n_$m --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done
   [ "$3" = long ] && python3 -m benchmarks e2e --transport nvlink --models 1.3B --topologies 1x4 --configs zero3 sdp4bit ${P/--timed $T/--timed 200} --timeout 240 --out $OUT/n_1.3B --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]" ;;
-w1x4|w1x4r)
-  C="zero3 sdp4bit"; N=400; [ "$3" = w1x4r ] && C="sdp4bit zero3" && N=300
-  for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks e2e --models ${M:-1.3B} --topologies 1x1 --configs $C --paired --slow --warmup 3 --timed $N --timeout 450 --out $OUT/w1_${M:-1.3B}_g$g --deadline $((budget-SECONDS)) > $OUT/w1_${M:-1.3B}_g$g.log 2>&1 & done
+w1x4|w1x4r|w1x4b)
+  C="zero3 sdp4bit"; N=400; [ "$3" = w1x4r ] && C="sdp4bit zero3" && N=300; [ "$3" = w1x4b ] && N=300
+  for g in 0 1 2 3; do [ "$3" = w1x4b ] && [ $g -ge 2 ] && C="sdp4bit zero3"
+    CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks e2e --models ${M:-1.3B} --topologies 1x1 --configs $C --paired --slow --warmup 3 --timed $N --timeout 450 --out $OUT/w1_${M:-1.3B}_g$g --deadline $((budget-SECONDS)) > $OUT/w1_${M:-1.3B}_g$g.log 2>&1 & done
   wait; grep "\[e2e\]" $OUT/w1_*.log ;;
 nvr)
   for m in 406M 1.3B; do python3 -m benchmarks e2e --transport nvlink --models $m --topologies 1x4 --configs sdp4bit zero3 --paired --slow --warmup 3 --timed 200 --timeout 240 --out $OUT/nr_$m --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
@@ -40,7 +43,7 @@ nvlink)
   python3 -c "from deepspeed.ops.op_builder import QuantizerBuilder; QuantizerBuilder().load()" > /tmp/dsq.txt 2>&1 & q=$!; python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; wait $q; tail -1 /tmp/dsq.txt
   echo "built at $SECONDS s"
   for i in 1 2; do python3 -m benchmarks e2e --transport nvlink --models 406M --topologies 2x2 --configs zeropp sdp4bit zero3 --slow --timed 12 --timeout 90 --out $OUT/nv --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
-*) echo "usage: $0 COMMIT BUDGET_S paired|nvlink|long|w1|w1x4|w1x4r|nvr" >&2; exit 2 ;;
+*) echo "usage: $0 COMMIT BUDGET_S paired|nvlink|long|w1|w1x4|w1x4r|w1x4b|nvr" >&2; exit 2 ;;
 esac
 # (packed outside $OUT, then moved in: a tar written into the folder it reads fails with "file changed")
 tar czf /tmp/results.tgz -C $OUT . && find $OUT -mindepth 1 -delete && mv /tmp/results.tgz $OUT/
