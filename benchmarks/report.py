@@ -955,25 +955,26 @@ def pool_build_orders(rows: Sequence[dict]) -> Tuple[Optional[dict], str]:
     """One cell's paired SDP4Bit rows on one machine kind: the runs with SDP4Bit's engine built first and those with
     it built second (:func:`e2e.paired_built`) each pooled (:func:`pool_paired`), the two orders weighted equally
     (mean of the two means; SE the root of the sum of their squared SEs, halved).  The engine a process builds
-    second measured slower whatever its config (``one_gpu/README.md``), so only both orders together estimate
-    SDP4Bit's own cost: ``(None, why)`` where one order is missing; rows of unknown order are left out."""
+    second measured slower in the 1.3B world-1 runs (``one_gpu/README.md``), an effect of unknown size elsewhere, so
+    only both orders together estimate SDP4Bit's own cost: ``(None, why)`` where one order is missing; runs of
+    unknown order, without a spread (SE 0) or of too few (or an odd number of) steps are left out."""
     by: Dict[Optional[str], List[dict]] = {}
     for r in rows:
         st = r.get("paired") or {}
-        usable = (st.get("log_ratio_se") or 0) > 0 and st.get("n", 0) >= 2   # an SE of 0 would outweigh the rest
+        n = st.get("n", 0)
         order = e2e.paired_built(r)
-        by.setdefault(order if usable and order in ("first", "second") else None, []).append(st)
-    unknown = (f"; {len(by[None])} run(s) of unknown build order or without a spread left out" if None in by
-               else "")
-    pooled = {k: pool_paired(v) for k, v in by.items() if k}
+        if (st.get("log_ratio_se") or 0) <= 0 or n < e2e.PAIRED_MIN_STEPS or n % 2:   # an SE of 0 outweighs the rest
+            order = "short"
+        by.setdefault(order if order in ("first", "second", "short") else None, []).append(st)
+    unknown = "".join(f"; {len(by[k])} run(s) {what} left out" for k, what in (
+        (None, "of unknown build order"), ("short", f"without a spread or of fewer than {e2e.PAIRED_MIN_STEPS} (or an odd "
+                                                    f"number of) steps")) if k in by)
+    pooled = {k: pool_paired(v) for k, v in by.items() if k in ("first", "second")}
     said = "; ".join(f"SDP4Bit's engine built {k}: {100 * (math.exp(st['log_ratio_mean']) - 1):+.2f}% "
                      f"({st['runs']} run(s), {st['n']} steps)" for k, st in sorted(pooled.items()))
-    short = [k for k, st in pooled.items() if st["n"] < e2e.PAIRED_MIN_STEPS]
-    if short:
-        return None, f"{said}{unknown}: fewer than {e2e.PAIRED_MIN_STEPS} steps with SDP4Bit's engine built {short[0]}"
     if len(pooled) < 2:
-        return None, (f"{said or 'no paired run of known build order'}{unknown}: one build order only (a process's "
-                      f"engine built second measured slower whatever its config: runs with the other order needed)")
+        return None, (f"{said or 'no paired run of known build order'}{unknown}: one build order only (the engine a "
+                      f"process builds second can be the slower one: runs with the other order needed)")
     f, s = pooled["first"], pooled["second"]
     st = {"n": f["n"] + s["n"], "runs": f["runs"] + s["runs"],
           "log_ratio_mean": (f["log_ratio_mean"] + s["log_ratio_mean"]) / 2,

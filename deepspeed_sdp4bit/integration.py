@@ -1257,8 +1257,9 @@ def _engine_load_checkpoint(orig):
             # a universal load bypasses _rigid_load_state_dict: the replica and SDP4Bit's step would not be restored
             raise NotImplementedError(
                 "sdp4bit: universal checkpoints (ds_config checkpoint.load_universal) are not supported yet: their "
-                "load skips the bf16 replica and the step count SDP4Bit saves. Resume the checkpoint as saved "
-                "(checkpoint.load_universal false, the same ranks and layout), or take the weights "
+                "load skips the bf16 replica (if any) and the step count SDP4Bit saves. Resume from the original "
+                "checkpoint folder, not ds_to_universal's output (checkpoint.load_universal false, the same ranks and "
+                "layout), or take the weights "
                 "(engine.save_16bit_model / the Trainer's save_model, or DeepSpeed's zero_to_fp32.py) and start a new "
                 "run from them")
         if st is not None:

@@ -213,11 +213,14 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
     assert st2["log_ratio_mean"] == pytest.approx(0.0) and st2["runs"] == 5 and st2["n"] == 50
     assert st2["log_ratio_se"] == pytest.approx(math.sqrt(0.006 ** 2 + 0.006 ** 2 / 4) / 2)
     # an order of too few steps, or a run without a spread (SE 0), decides nothing
-    tiny = [dict(cell[0], paired=dict(cell[0]["paired"], n=4)), cell[2]]
-    assert report.pool_build_orders(tiny)[0] is None and "fewer than 10 steps" in report.pool_build_orders(tiny)[1]
-    flat = [dict(cell[0], paired=dict(cell[0]["paired"], log_ratio_se=0.0)), cell[2]]
-    st0, why = report.pool_build_orders(flat)
-    assert st0 is None and "1 run(s) of unknown build order or without a spread left out" in why
+    left = "1 run(s) without a spread or of fewer than 10 (or an odd number of) steps left out"
+    for bad in ({"n": 4}, {"n": 11}, {"log_ratio_se": 0.0}):
+        st0, why = report.pool_build_orders([dict(cell[0], paired=dict(cell[0]["paired"], **bad)), cell[2]])
+        assert st0 is None and left in why and "one build order only" in why, bad
+    # a short run beside a long one of its order is left out, not pooled (it would weigh in through its tiny SE)
+    st1 = report.pool_build_orders([dict(cell[0], paired=dict(cell[0]["paired"], n=4, log_ratio_se=1e-6,
+                                                                log_ratio_mean=0.5))] + cell[::2])[0]
+    assert st1["runs"] == 2 and st1["log_ratio_mean"] == pytest.approx(0.0)
     # both runs with SDP4Bit's engine built second: however many, not resolved
     same = [dict(r, paired=dict(r["paired"], built="second")) if r.get("config") == d["config"] else r for r in cell]
     m, v = report._same_code_goal([same[0], same[2]], same, today)

@@ -351,6 +351,10 @@ def _check_pipeline_and_steps(topo, rank, W, shape):
     plain = GradientReducer(topo, GradientsConfig(rounding="stochastic", pipeline_chunks=2), seed=SEED)
     plain.reduce_scatter_flat(xs[rank], step=5)
     assert fresh.buffer_bytes() == plain.buffer_bytes()
+    fresh.reduce_scatter_flat(xs[rank], step=1)   # back before the switch (a rollback to an earlier checkpoint)
+    assert fresh.buffer_bytes() > plain.buffer_bytes() or shape.num_nodes == 1
+    fresh.reduce_scatter_flat(xs[rank], step=6)   # ... and past it again: dropped again
+    assert fresh.buffer_bytes() == plain.buffer_bytes()
     # with error feedback too: the residuals carry across the switch as the simulator's do
     cfg_efi8 = GradientsConfig(rounding="stochastic", pipeline_chunks=2, error_feedback=True, inter8_steps=1)
     red_efi8, res = GradientReducer(topo, cfg_efi8, seed=SEED), [ResidualStore() for _ in range(W)]

@@ -539,7 +539,9 @@ class GradientReducer:
         """:meth:`cfg_at` for a reduce of ``step``; the first reduce past ``inter8_steps`` drops the cached buffers
         (the pool only grows: the 8-bit inter-node messages would stay at twice the size the later steps use)."""
         cfg = self.cfg_at(step)
-        if self._early_buffers and cfg is self.cfg:
+        if cfg is not self.cfg:
+            self._early_buffers = True   # (again, after a rollback to a checkpoint from before the switch)
+        elif self._early_buffers:
             self._pool.clear()
             self._early_buffers = False
         return cfg
@@ -575,7 +577,8 @@ class GradientReducer:
         return self._pool.nbytes()
 
     def buffer_allocations(self) -> int:
-        """How many communication buffers have been allocated so far (grows only with new, larger sizes)."""
+        """How many communication buffers have been allocated so far (grows with new, larger sizes and after the pool
+        is dropped: :meth:`clear_buffers`, and once past ``inter8_steps``)."""
         return self._pool.allocations
 
     def clear_buffers(self) -> None:

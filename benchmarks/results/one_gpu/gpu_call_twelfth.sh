@@ -9,8 +9,9 @@
 #   w1x4r   the same with the engines built in the other order (SDP4Bit's first) and 300 timed steps: w1x4's four
 #           runs all had ZeRO-3's engine built first, so a build-order effect would look like SDP4Bit's cost
 #           (M=406M before the command: the 406M instead of the 1.3B)
-#   w1x4b   (planned, not run) both orders in one call, 300 timed steps: GPUs 0-1 ZeRO-3's engine built first, 2-3
-#           SDP4Bit's (w1x4 and w1x4r ran in different calls, whose hosts differed)
+#   w1x4b   (planned, not run) both orders in one call, 300 timed steps: GPUs 0 and 3 ZeRO-3's engine built first, 1
+#           and 2 SDP4Bit's, so each order has a GPU in each half of the host (w1x4 and w1x4r ran in different calls,
+#           whose host conditions differed); the GPU topology is logged
 #   nvr     (planned, not run) one node of 4 GPUs on NVLink, 406M and 1.3B paired with SDP4Bit's engine built first,
 #           200 timed steps each: the 1x4 cells have runs of the other order only
 # usage: bash THIS COMMIT BUDGET_S paired|nvlink|long|w1|w1x4|w1x4r|w1x4b|nvr   (w1: paired's world-1 part alone)
@@ -34,7 +35,8 @@ paired|w1|long)
   [ "$3" = long ] && python3 -m benchmarks e2e --transport nvlink --models 1.3B --topologies 1x4 --configs zero3 sdp4bit ${P/--timed $T/--timed 200} --timeout 240 --out $OUT/n_1.3B --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]" ;;
 w1x4|w1x4r|w1x4b)
   C="zero3 sdp4bit"; N=400; [ "$3" = w1x4r ] && C="sdp4bit zero3" && N=300; [ "$3" = w1x4b ] && N=300
-  for g in 0 1 2 3; do [ "$3" = w1x4b ] && [ $g -ge 2 ] && C="sdp4bit zero3"
+  [ "$3" = w1x4b ] && nvidia-smi topo -m
+  for g in 0 1 2 3; do [ "$3" = w1x4b ] && case $g in 1|2) C="sdp4bit zero3";; *) C="zero3 sdp4bit";; esac
     CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks e2e --models ${M:-1.3B} --topologies 1x1 --configs $C --paired --slow --warmup 3 --timed $N --timeout 450 --out $OUT/w1_${M:-1.3B}_g$g --deadline $((budget-SECONDS)) > $OUT/w1_${M:-1.3B}_g$g.log 2>&1 & done
   wait; grep "\[e2e\]" $OUT/w1_*.log ;;
 nvr)
