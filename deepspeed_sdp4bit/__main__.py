@@ -282,9 +282,7 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         for lvl in p.levels:
             bits = gr.intra_bits if lvl.name == "intra" else gr.inter_bits
             how = "bf16, unquantized" if bits == 16 else f"{bits}-bit, group {gr.group_size}"
-            early = (f" (8-bit for the first {gr.inter8_steps} optimizer steps: gradients.inter8_steps; the bytes "
-                     f"below are of the steps after)") if lvl.name == "inter" and gr.inter8_steps else ""
-            lines.append(f"gradients, {lvl.name}-node all-to-all over {lvl.peers} ranks: {how}{early}"
+            lines.append(f"gradients, {lvl.name}-node all-to-all over {lvl.peers} ranks: {how}"
                          + (f", Hadamard {gr.hadamard_size}" if p.hadamard and bits != 16 else "")
                          + f", {gr.rounding} rounding" * (bits != 16))
     else:

@@ -287,6 +287,10 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
     cfg = cfg.model_copy(update={"weights": w})
     if not cfg.active:
         return RunPlan(ds_config, cfg.model_copy(update={"enabled": False}), "; ".join(notes), notes)
+    g = cfg.gradients
+    if g.enabled and g.inter8_steps and nodes > 1:
+        notes.append(f"gradients: the inter-node level at 8 bits for the first {g.inter8_steps} optimizer steps, then "
+                     f"{g.inter_bits} (gradients.inter8_steps)")
     validate_against_ds_config(cfg, ds_config)
     # The block DeepSpeed sees says what was decided here, so planning that config again gives the same run:
     # DeepSpeed's engine partitions the model through deepspeed.zero.Init with this very config, and our
@@ -1081,6 +1085,9 @@ class SDP4BitState:
         if self.reducer is not None and self.reducer.residuals is not None:
             self.reducer.residuals.end_step(skipped=summary["skipped"])
         self.step += 1
+        if self.reducer is not None and self.step == self.cfg.gradients.inter8_steps:
+            _say(f"step {self.step}: the inter-node gradient level now at {self.cfg.gradients.inter_bits} bits "
+                 f"(gradients.inter8_steps)")
         self.bucket = 0
         self.nonfinite = None
         every = self.cfg.summary_interval

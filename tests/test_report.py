@@ -64,7 +64,8 @@ def test_linter_ok_prints_levels_and_bytes(capsys):
 
 def test_linter_notes_a_missing_batch_size_and_the_early_8_bit_steps():
     """deepspeed.initialize refuses a config without a batch size: the linter says so (a note: the examples and the
-    HF Trainer add it); gradients.inter8_steps is named on the inter-node line."""
+    HF Trainer add it); gradients.inter8_steps is noted (the engine logs the same note), the levels are the later
+    steps'."""
     ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
     note = "no train_batch_size / train_micro_batch_size_per_gpu"
     assert any(note in x for x in report.plan(ds, 16, 8)["lines"])
@@ -73,7 +74,11 @@ def test_linter_notes_a_missing_batch_size_and_the_early_8_bit_steps():
     lines = report.plan(ds, 16, 8)["lines"]
     assert not any(note in x for x in lines)
     inter = [x for x in lines if x.startswith("gradients, inter-node")]
-    assert len(inter) == 1 and "4-bit, group 128 (8-bit for the first 100 optimizer steps" in inter[0]
+    assert len(inter) == 1 and "4-bit, group 128" in inter[0]
+    assert ("note: gradients: the inter-node level at 8 bits for the first 100 optimizer steps, then 4 "
+            "(gradients.inter8_steps)") in lines
+    ds["sdp4bit"]["topology"] = {"gpus_per_node": 16}   # one node: no inter-node level, no note
+    assert not any("inter8_steps" in x for x in report.plan(ds, 16, 16)["lines"])
 
 
 def test_plan_bytes_are_the_models():
