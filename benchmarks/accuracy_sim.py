@@ -531,6 +531,47 @@ def window_gap_table(runs: List[dict], refs: Dict[tuple, dict], width: int = 25)
     return out
 
 
+SHIPPED = "sdp4bit"   # the variant the others are set against in against_shipped_table
+
+
+def _matrix_distance(r: dict) -> Optional[float]:
+    """The median over the run's matrices of their final relative distance to ZeRO-3's (None without distances)."""
+    d = r.get("final_rel_dist_to_zero3")
+    names = [n for n, c in r["classes"].items() if c == "matrix"]
+    return _median([d[n] for n in names]) if d and names and all(n in d for n in names) else None
+
+
+def against_shipped_table(runs: List[dict], refs: Dict[tuple, dict]) -> List[str]:
+    """Each variant against the shipped config on the same data seeds (runs of the default rounding seed paired with
+    ZeRO-3): the mean and SE over seeds of (its gap - the shipped config's gap), in points, and on how many seeds its
+    matrices end closer to ZeRO-3's than the shipped config's (:func:`_matrix_distance`)."""
+    from benchmarks.suite import mean_se
+
+    pr = paired(runs, refs)
+    shipped = {(setting(r), r["topology"], r["data_seed"]): (r, ref) for r, ref in pr if r["variant"] == SHIPPED}
+    groups: Dict[tuple, List[tuple]] = {}
+    for r, ref in pr:
+        s = shipped.get((setting(r), r["topology"], r["data_seed"]))
+        if r["variant"] in (SHIPPED, "zero3") or s is None:
+            continue
+        groups.setdefault((r["variant"], r["topology"], r["steps"]), []).append(
+            (gap_pct(r, ref) - gap_pct(*s), _matrix_distance(r), _matrix_distance(s[0])))
+    if not groups:
+        return []
+    out = [f"Against the shipped config ({SHIPPED}) on the same data seeds: the variant's paired gap minus the shipped "
+           "config's (points, mean and SE over seeds), and on how many seeds its matrices end closer to ZeRO-3's "
+           "(median over matrices of the final relative distance):", "",
+           "| variant | topology | steps | seeds | gap - shipped gap | SE | weights closer to ZeRO-3 |",
+           "|---|---|---|---|---|---|---|"]
+    for (v, topo, steps), xs in sorted(groups.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):
+        m, se = mean_se([x[0] for x in xs])
+        both = [(a, b) for _, a, b in xs if a is not None and b is not None]
+        closer = f"{sum(a < b for a, b in both)} of {len(both)}" if both else "-"
+        out.append(f"| {v} | {topo} | {steps} | {len(xs)} | {m:+.2f} | " + ("-" if se is None else f"{se:.2f}")
+                   + f" | {closer} |")
+    return out + [""]
+
+
 def report(runs: List[dict]) -> str:
     from benchmarks.suite import mean_se
 
@@ -574,6 +615,7 @@ def report(runs: List[dict]) -> str:
                      f"{min(gaps):+.2f}% .. {max(gaps):+.2f}% |")
     lines.append("")
     lines += window_gap_table(runs, z)
+    lines += against_shipped_table(runs, z)
     classes = sorted({c for r in runs for c in r["classes"].values()})
     lines.append("Per parameter class, median over tensors and probes (every 25 or 50 steps): relative error of the "
                  "reduced gradient vs the exact reduce of the same local gradients; of the bf16 weights the "

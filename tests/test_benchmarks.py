@@ -843,6 +843,16 @@ def test_accuracy_sim_gap_curves_compact_runs_and_median():
     lines = S.window_gap_table(win, S.zero3_refs(win))
     assert "| variant | topology | runs | from 0 | from 25 |" in lines   # from 50 does not fit 60 steps
     assert "| sdp4bit | 4x1 | 1 | +0.00% | +10.00% |" in lines
+    # against the shipped config on the same seeds: gap differences in points, and whose weights end closer
+    two = [_fake_sim_run("zero3", "4x1", s, zl) for s in (1, 2)]
+    two += [dict(_fake_sim_run("sdp4bit", "4x1", s, [3.0 * (1 + g / 100)] * 60), final_rel_dist_to_zero3={"w": d, "b": 9})
+            for s, g, d in ((1, 2.0, 0.5), (2, 4.0, 0.4))]
+    two += [dict(_fake_sim_run("i8", "4x1", s, [3.0 * (1 + g / 100)] * 60), final_rel_dist_to_zero3={"w": d, "b": 0})
+            for s, g, d in ((1, 1.0, 0.3), (2, 1.0, 0.45))]
+    two.append(_fake_sim_run("i8", "4x1", 3, zl))   # no shipped run of seed 3: not paired
+    rows = S.against_shipped_table(two, S.zero3_refs(two))
+    assert "| i8 | 4x1 | 60 | 2 | -2.00 | 1.00 | 1 of 2 |" in rows and not any("| sdp4bit |" in x for x in rows)
+    assert "Against the shipped config" in S.report(two) and not S.against_shipped_table(runs[:2], S.zero3_refs(runs))
     summary = S.probe_summary(runs[0])
     assert summary["matrix"] == {"grad_rel_err": 0.25, "replica_rel_err": 0.03, "bf16_rel_err": 0.003}
     assert summary["bias"]["grad_rel_err"] == 0.5   # the probe without gradients does not count
