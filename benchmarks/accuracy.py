@@ -58,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=3000.0, help="seconds per run")
     p.add_argument("--deadline", type=float, default=None, help="seconds for the whole call")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG")
+    p.add_argument("--deterministic", action="store_true",
+                   help="train_gpt.py --deterministic: torch's deterministic algorithms, so that a repeat of a run "
+                        "on a GPU can give the same losses (each row says whether its run had them)")
     p.add_argument("--checkpoint-root", default=None, metavar="DIR",
                    help="one checkpoint folder per run under DIR (named by model, topology, config, seed, "
                         "schedule); a run whose folder holds a checkpoint goes on from it")
@@ -75,7 +78,7 @@ def _schedule_args(schedule: str, steps: int) -> List[str]:
     return ["--warmup", str(max(1, steps // 20)), "--min-lr-ratio", "0.1"]
 
 
-_RESUME_KEYS = ("model", "steps", "lr", "micro_batch", "seq", "eval_batches", "train_arg")
+_RESUME_KEYS = ("model", "steps", "lr", "micro_batch", "seq", "eval_batches", "train_arg", "deterministic")
 
 
 def _check_resume_folders(root: Path, args) -> None:
@@ -209,7 +212,7 @@ def run(args) -> int:
                             targs += ["--ds-set", kv]
                     if args.model == "tiny":
                         targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
-                    targs += list(args.train_arg)
+                    targs += list(args.train_arg) + ["--deterministic"] * args.deterministic
                     timeout = min(args.timeout, deadline.left() - 15)
                     if ckpt:
                         stop_at = time.time() + timeout - args.stop_margin if args.stop_margin else None
@@ -231,6 +234,7 @@ def run(args) -> int:
                         losses = [s["loss"] for s in steps]
                         row["replica"] = log.get("meta", {}).get("sdp4bit_replica")
                         row["resumed_at_step"] = log.get("meta", {}).get("start_step") or None
+                        row["deterministic"] = bool(log.get("meta", {}).get("deterministic_algorithms"))
                         if steps:  # every part's steps (the median passes over each part's slow first step)
                             row["ms_per_step"] = suite.median([s["ms"] for s in steps[1:] or steps])
                         row["steps_done"] = len(steps)

@@ -153,6 +153,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     t.add_argument("--lr", type=float, default=6e-4, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 1%% of --steps, >= 1)")
     t.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to lr * this")
+    t.add_argument("--deterministic", action="store_true",
+                   help="torch's deterministic algorithms (CUBLAS_WORKSPACE_CONFIG=:4096:8, "
+                        "torch.use_deterministic_algorithms(True); an op without a deterministic implementation "
+                        "raises): on a GPU a repeat of a run can then give the same losses, so two configs of one "
+                        "seed differ by what they compute, not by atomics")
     t.add_argument("--torch-adam", choices=("auto", "yes", "no"), default="auto",
                    help="use torch.optim.AdamW instead of DeepSpeed's FusedAdam (auto: yes on CPU, where "
                         "FusedAdam would need a JIT build)")
@@ -422,6 +427,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     notices: list = []
     phases = {"imports": time.perf_counter() - _T_PROCESS}
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # read when cuBLAS starts: before any matmul
+        torch.use_deterministic_algorithms(True)
     t_phase = time.perf_counter()
 
     def phase(name):
@@ -539,6 +547,7 @@ def main(argv=None) -> dict:
         "env": {k: os.environ[k] for k in sorted(os.environ)
                 if k.startswith(("NCCL_", "DS_ACCELERATOR", "CUDA_VISIBLE", "OMP_NUM", "LOCAL_WORLD", "LOCAL_SIZE"))},
         "notices": notices, "startup_s": phases, "start_step": start_step,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "paired_ds_config": paired_config,
         "paired_sdp4bit_replica": getattr(getattr(paired, "sdp4bit", None), "level", None),
         "paired_sdp4bit_evidence": paired_evidence,

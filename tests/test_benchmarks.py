@@ -356,9 +356,11 @@ def test_accuracy_replay_matches_real_zero3(tmp_path):
     out = tmp_path / "out"
     _suite(["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "zero3", "zero3:replay",
             "--seeds", "3", "--steps", "6", "--seq", "64", "--micro-batch", "2", "--lr", "3e-3",
-            "--eval-batches", "2", "--out", str(out)], tmp_path)
+            "--eval-batches", "2", "--deterministic", "--out", str(out)], tmp_path)
     rows = {r["variant"]: r for r in json.loads((out / "accuracy.json").read_text())}
     assert set(rows) == {"zero3", "zero3:replay"}
+    # --deterministic reached every run: torch's deterministic algorithms were on (ZeRO-3's CPU ops have them)
+    assert all(r["deterministic"] and "--deterministic" in r["command"] for r in rows.values())
     real, replay = rows["zero3"], rows["zero3:replay"]
     assert real["ranks"] == replay["ranks"] == 4 and replay["reference"] == "replay"
     for r in (real, replay):
