@@ -60,7 +60,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG")
     p.add_argument("--deterministic", action="store_true",
                    help="train_gpt.py --deterministic: torch's deterministic algorithms, so that a repeat of a run "
-                        "on a GPU can give the same losses (each row says whether its run had them)")
+                        "on a GPU can give the same losses (each row says whether its run had them; their step "
+                        "times are not comparable with other rows'; the reports keep such rows in groups of their "
+                        "own)")
     p.add_argument("--checkpoint-root", default=None, metavar="DIR",
                    help="one checkpoint folder per run under DIR (named by model, topology, config, seed, "
                         "schedule); a run whose folder holds a checkpoint goes on from it")
@@ -86,6 +88,8 @@ def _check_resume_folders(root: Path, args) -> None:
     mine = {k: getattr(args, k) for k in _RESUME_KEYS}
     for parts_file in sorted(root.glob("*/parts.json")) if root.is_dir() else []:
         old = json.loads(parts_file.read_text()).get("args")
+        if old is not None:
+            old = {"deterministic": False, **old}   # folders from before the flag ran without it
         if old is not None and old != mine:
             raise SystemExit(f"accuracy: {parts_file.parent} holds a run of other arguments ({old}, now {mine}); "
                              f"remove it or use another --checkpoint-root")

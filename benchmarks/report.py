@@ -364,7 +364,9 @@ def _acc_groups(rows: Sequence[dict]):
     for r in rows:
         if not suite.finished_training(r) or r.get("train_loss") is None:
             continue
-        g = groups.setdefault((r["ranks"], r["schedule"], r["steps"], r.get("model")), {})
+        # runs under deterministic algorithms form groups of their own ("model" says so: 86M deterministic)
+        model = r.get("model") if not r.get("deterministic") else f"{r.get('model')} deterministic"
+        g = groups.setdefault((r["ranks"], r["schedule"], r["steps"], model), {})
         name = "zero3" if r["config"] == "zero3" and r.get("variant") in ("zero3", "zero3:replay") \
             else f"{r['variant']} {r['topology']}"
         g.setdefault(name, []).append(r)

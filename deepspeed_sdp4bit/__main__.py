@@ -307,8 +307,11 @@ def format_plan(p: Dict[str, Any]) -> str:
     lines = list(p["lines"])
     if "bytes" in p:
         lines.append("")
+        early = (p.get("cfg") or {}).get("gradients", {}).get("inter8_steps")
         lines.append(f"bytes each GPU sends per optimizer step (a model: deepspeed_sdp4bit/step_bytes.py; "
-                     f"gradient_accumulation_steps={p['accum']}):")
+                     f"gradient_accumulation_steps={p['accum']}"
+                     + (f"; of the steps after the first {early}, which send more between nodes: "
+                        f"gradients.inter8_steps" if early else "") + "):")
         for scheme, d in p["bytes"].items():
             t = d["totals"]
             lines.append(f"  {scheme}: total {_fmt_bytes(t['total'])} ("

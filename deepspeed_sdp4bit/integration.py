@@ -1085,7 +1085,8 @@ class SDP4BitState:
         if self.reducer is not None and self.reducer.residuals is not None:
             self.reducer.residuals.end_step(skipped=summary["skipped"])
         self.step += 1
-        if self.reducer is not None and self.step == self.cfg.gradients.inter8_steps:
+        if (self.reducer is not None and self.step == self.cfg.gradients.inter8_steps
+                and self.topology.num_nodes > 1):
             _say(f"step {self.step}: the inter-node gradient level now at {self.cfg.gradients.inter_bits} bits "
                  f"(gradients.inter8_steps)")
         self.bucket = 0

@@ -375,6 +375,25 @@ def test_accuracy_replay_matches_real_zero3(tmp_path):
     assert abs(real["heldout_loss"] - replay["heldout_loss"]) / real["heldout_loss"] < 2e-3
 
 
+def test_accuracy_resume_folder_from_before_the_deterministic_flag_is_the_same_run(tmp_path):
+    """A checkpoint folder written before --deterministic existed ran without it: the same arguments resume it, the
+    flag set now is another run (refused)."""
+    from benchmarks import accuracy as A
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    A.add_args(parser)
+    args = parser.parse_args(["--cpu", "--model", "tiny", "--out", str(tmp_path / "o")])
+    old = {k: getattr(args, k) for k in A._RESUME_KEYS if k != "deterministic"}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "parts.json").write_text(json.dumps({"args": old, "parts": []}))
+    A._check_resume_folders(tmp_path, args)
+    args.deterministic = True
+    with pytest.raises(SystemExit, match="holds a run of other arguments"):
+        A._check_resume_folders(tmp_path, args)
+
+
 def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     """A run longer than one GPU call: --stop-after leaves a checkpoint, the same command goes on from it, and the
     finished row's losses are those of the run done in one go (the schedule is that of --steps throughout).

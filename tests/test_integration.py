@@ -732,6 +732,12 @@ def _pipeline_worker(rank, world, backend, steps):
         return plan
 
     G.make_plan = recording_make_plan
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("deepspeed_sdp4bit").addHandler(handler)
     res = {}
     for name, grads in (("nearest1", {"rounding": "nearest", "pipeline_chunks": 1}),
                         ("nearest3", {"rounding": "nearest", "pipeline_chunks": 3}),
@@ -752,6 +758,8 @@ def _pipeline_worker(rank, world, backend, steps):
             res["ef_dtypes"] = sorted({str(v.dtype) for v in red.residuals.tensors().values()})
             du.train_steps(e, 1, rank)
             res["ef_keys_later"] = [repr(k) for k in red.residuals.keys()]
+        if name == "i8first2":   # rank 0 says once where the inter-node level drops to 4 bits
+            res["i8_said"] = [m for m in said if "inter-node gradient level now" in m]
         res[name + "_chunks"] = sorted(set(chunks))
         res[name + "_summary"] = e.sdp4bit_summary()
         res[name + "_gathered"] = {k: du.tensor_hash(v) for k, v in du.full_params_fp32(e).items()}
@@ -788,6 +796,8 @@ def test_pipeline_chunks_in_the_engine(variant):
         # up to step 2 depend on those updates only), then 4 bits: the last step sends what the 4-bit config sends
         assert r["i8first2"][:3] == r["inter8"][:3] and r["i8first2"][1] != r["sr2"][1]
         assert r["i8first2"][3:] != r["inter8"][3:]
+        assert r["i8_said"] == ["sdp4bit: step 2: the inter-node gradient level now at 4 bits (gradients.inter8_steps)"]
+        assert all(not x["i8_said"] for x in runs[1:])   # rank 0 only
         grads = {k: r[k + "_summary"]["gradients"]["bytes_by_level"] for k in ("i8first2", "sr2", "inter8")}
         assert grads["i8first2"] == grads["sr2"] and grads["sr2"]["inter"] < grads["inter8"]["inter"]
 

@@ -77,8 +77,14 @@ def test_linter_notes_a_missing_batch_size_and_the_early_8_bit_steps():
     assert len(inter) == 1 and "4-bit, group 128" in inter[0]
     assert ("note: gradients: the inter-node level at 8 bits for the first 100 optimizer steps, then 4 "
             "(gradients.inter8_steps)") in lines
-    ds["sdp4bit"]["topology"] = {"gpus_per_node": 16}   # one node: no inter-node level, no note
-    assert not any("inter8_steps" in x for x in report.plan(ds, 16, 16)["lines"])
+    # one node, quantized on request: no inter-node level, no note (SDP4Bit active there)
+    ds["sdp4bit"].update(topology={"gpus_per_node": 16}, quantize_single_node=True)
+    p1 = report.plan(ds, 16, 16)
+    assert p1["active"] and not any("inter8_steps" in x for x in p1["lines"])
+    # with --params, the bytes are the later steps' (said on the bytes' own header)
+    ds["sdp4bit"].update(topology={"gpus_per_node": 8}, quantize_single_node=False)
+    text = report.format_plan(report.plan(ds, 16, 8, 10 ** 9))
+    assert "of the steps after the first 100, which send more between nodes: gradients.inter8_steps" in text
 
 
 def test_plan_bytes_are_the_models():
