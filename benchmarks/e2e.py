@@ -483,12 +483,12 @@ def _partner_row(row: dict, partner: suite.Variant, snapshot: dict, log_json: Pa
             other["status"] = row["status"]
     if profile is not None:
         other["profile"] = [x for x in profile if x["tag"] == "B"]
-    for a, b in ((row, other), (other, row)):
+    # (train_gpt builds the --ds-config engine, row's, first)
+    for a, b, order in ((row, other, "first"), (other, row, "second")):
         a["paired_with"] = b["row_id"]
         a.pop("peak_mem_bytes", None)   # both engines share the process: neither one's peak
         n = a.get("timed_steps_requested")
         a["paired"] = paired_stats((a.get("steps_ms") or [])[:warmup + n], (b.get("steps_ms") or [])[:warmup + n], warmup)
-    for a, order in ((row, "first"), (other, "second")):   # train_gpt builds the --ds-config engine first
         if a["paired"] is not None:
             a["paired"]["built"] = order
     return other

@@ -935,10 +935,16 @@ def _paired_verdict(r: dict) -> Tuple[str, str]:
     return _log_ratio_verdict(r["paired"], f"paired in one process, {r['paired']['n']} alternating steps")
 
 
+def _too_few_steps(st: dict) -> bool:
+    """Paired steps that decide nothing: fewer than e2e.PAIRED_MIN_STEPS, or an odd number (one engine first more
+    often than the other)."""
+    return st.get("n", 0) < e2e.PAIRED_MIN_STEPS or st.get("n", 0) % 2 == 1
+
+
 def _log_ratio_verdict(st: dict, label: str) -> Tuple[str, str]:
     lo, mid, hi = (math.exp(st["log_ratio_mean"] + k * st["log_ratio_se"]) for k in (-2, 0, 2))
     v = "met" if hi <= GOAL_WORLD1 else "not met" if lo > GOAL_WORLD1 else "not resolved"
-    if st["n"] < e2e.PAIRED_MIN_STEPS or st["n"] % 2:
+    if _too_few_steps(st):
         v = "not resolved"
     median = f"; median step ratio {st['ratio_median']:.4f}" if st.get("ratio_median") is not None else ""
     return (f"{label}: {100 * (mid - 1):+.2f}% ({100 * (lo - 1):+.2f} .. {100 * (hi - 1):+.2f}%, 2 SE{median})", v)
@@ -946,8 +952,9 @@ def _log_ratio_verdict(st: dict, label: str) -> Tuple[str, str]:
 
 def pool_paired(stats: Sequence[dict]) -> dict:
     """Paired runs of one cell taken together: the inverse-variance weighted mean of their mean log ratios, its
-    standard error, and their steps (``n``); the runs are independent processes, so their SEs combine."""
-    w = [1 / st["log_ratio_se"] ** 2 if st["log_ratio_se"] > 0 else 1e12 for st in stats]
+    standard error, and their steps (``n``); the runs are independent processes, so their SEs combine.  Every SE
+    must be > 0 (:func:`pool_build_orders` leaves runs without a spread out)."""
+    w = [1 / st["log_ratio_se"] ** 2 for st in stats]
     mean = sum(wi * st["log_ratio_mean"] for wi, st in zip(w, stats)) / sum(w)
     return {"n": sum(st["n"] for st in stats), "log_ratio_mean": mean, "log_ratio_se": math.sqrt(1 / sum(w)),
             "runs": len(stats)}
@@ -963,9 +970,8 @@ def pool_build_orders(rows: Sequence[dict]) -> Tuple[Optional[dict], str]:
     by: Dict[Optional[str], List[dict]] = {}
     for r in rows:
         st = r.get("paired") or {}
-        n = st.get("n", 0)
         order = e2e.paired_built(r)
-        if (st.get("log_ratio_se") or 0) <= 0 or n < e2e.PAIRED_MIN_STEPS or n % 2:   # an SE of 0 outweighs the rest
+        if (st.get("log_ratio_se") or 0) <= 0 or _too_few_steps(st):   # an SE of 0 would outweigh the rest
             order = "short"
         by.setdefault(order if order in ("first", "second", "short") else None, []).append(st)
     unknown = "".join(f"; {len(by[k])} run(s) {what} left out" for k, what in (

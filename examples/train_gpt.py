@@ -647,13 +647,13 @@ def main(argv=None) -> dict:
                 rec["sdp4bit"] = _jsonable(summary_fn())
             if pair is not None and paired_summary_fn is not None:
                 rec["paired_sdp4bit"] = _jsonable(paired_summary_fn())
-            bad = [(w, x) for w, x in (("", mean_loss), (" of the paired engine", pair and pair[0])) if x is not None
-                   and not math.isfinite(x)]
+            bad = [f"non-finite loss{w} {x} at step {step + 1}" for w, x in
+                   (("", mean_loss), (" of the paired engine", pair and pair[0])) if x is not None and not math.isfinite(x)]
             if bad:
                 log.doc["steps"].append(rec)
-                log.doc["final"] = {"error": f"non-finite loss{bad[0][0]} {bad[0][1]} at step {step + 1}"}
+                log.doc["final"] = {"error": bad[0]}
                 log.write()
-                raise SystemExit(f"train_gpt.py: non-finite loss{bad[0][0]} {bad[0][1]} at step {step + 1}")
+                raise SystemExit(f"train_gpt.py: {bad[0]}")
             log.doc["steps"].append(rec)
             pbar.set_postfix(loss=f"{mean_loss:.4f}", ms=f"{dt * 1e3:.0f}", refresh=False)
             pbar.update(1)

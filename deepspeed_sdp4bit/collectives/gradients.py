@@ -535,9 +535,11 @@ class GradientReducer:
         """:func:`settings_at` of this reducer's settings (the early ones built once)."""
         return self._early if self._early is not None and step < self.cfg.inter8_steps else self.cfg
 
-    def _settings(self, step: int) -> GradientsConfig:
-        """:meth:`cfg_at` for a reduce of ``step``; the first reduce past ``inter8_steps`` drops the cached buffers
-        (the pool only grows: the 8-bit inter-node messages would stay at twice the size the later steps use)."""
+    def _settings(self, step: int, bucket_id: int) -> GradientsConfig:
+        """:meth:`cfg_at` for a reduce of ``step`` (``step`` and ``bucket_id`` checked first), resolved once per call;
+        the first reduce past ``inter8_steps`` drops the cached buffers (the pool only grows: the 8-bit inter-node
+        messages would stay at twice the size the later steps use)."""
+        _check_ints(step, bucket_id)
         cfg = self.cfg_at(step)
         if cfg is not self.cfg:
             self._early_buffers = True   # (again, after a rollback to a checkpoint from before the switch)
@@ -600,7 +602,8 @@ class GradientReducer:
         """
         W = self.topology.world_size
         S = _check_flat(flat, W)
-        return self._reduce(flat, S, S, op, step, bucket_id, residual_key or _bucket_key(bucket_id, S))
+        return self._reduce(flat, S, S, op, self._settings(step, bucket_id), step, bucket_id,
+                            residual_key or _bucket_key(bucket_id, S))
 
     @torch.no_grad()
     def reduce_scatter(self, tensors: Union[Sequence[torch.Tensor], torch.Tensor], op: str = "mean",
@@ -632,23 +635,22 @@ class GradientReducer:
             raise ValueError(f"tensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
         W, rank = self.topology.world_size, self.topology.rank
         numels = [t.numel() for t in tensors]
-        _check_ints(step, bucket_id)
-        cfg = self._settings(step)
+        cfg = self._settings(step, bucket_id)
         parts, cols, S = list_layout(numels, W, list_unit(self.topology.shape, cfg))
         plan = make_plan(S, self.topology.shape, cfg, dtype)
         # Write the interleaved layout straight into a padded [W, S_p] buffer (one copy of the inputs).
         buf = self._pool.get("list_input", W * plan.padded, dtype, device).view(W, plan.padded)
         _write_list_input(buf, tensors, parts, cols)
-        out = self._reduce(buf.view(-1), plan.padded, sum(parts), op, step, bucket_id,
+        out = self._reduce(buf.view(-1), plan.padded, sum(parts), op, cfg, step, bucket_id,
                            residual_key or _bucket_key(bucket_id, tuple(numels)))
         return _split_output(out, numels, parts, cols, rank)
 
     # -- the algorithm --
-    def _reduce(self, flat: torch.Tensor, S: int, S_baseline: int, op: str, step: int,
+    def _reduce(self, flat: torch.Tensor, S: int, S_baseline: int, op: str, cfg: GradientsConfig, step: int,
                 bucket_id: int, rkey: tuple) -> torch.Tensor:
+        """``cfg``: the call's settings (:meth:`_settings`, step and bucket checked there)."""
         post = _post_scale(op, self.topology.world_size)
-        _check_ints(step, bucket_id)
-        plan = make_plan(S, self.topology.shape, self._settings(step), flat.dtype)
+        plan = make_plan(S, self.topology.shape, cfg, flat.dtype)
         rank = self.topology.rank
         self.stats.begin_call()
         self.stats.add_baseline((plan.world - 1) * S_baseline * BASELINE_BYTES_PER_VALUE)
