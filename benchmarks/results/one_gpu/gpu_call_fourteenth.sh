@@ -1,0 +1,48 @@
+#!/bin/bash
+# Fourteenth session's device calls (run from the repository root with .whl/ carried) on a host of 1 or 2 GPUs:
+#   const   issue 21's constant-lr 86M runs for data seeds 2 and 3 (seed 1 has them since e77152b): the ZeRO-3 replay,
+#           SDP4Bit 2x2 and SDP4Bit 4x1, 500 steps, each run its own process side by side, each seed on its own
+#           GPU (GPU 0 both seeds where only one is visible)
+#   abl     issue 21's ablations in the real engine at 2x2, warm-up + cosine (the rows of seed 1's replay and shipped
+#           config are committed): qWD only, TLq-HS only, TLq (no Hadamard), qW, ZeRO++ (qwZ + qgZ), seed 1, side by
+#           side, spread over the GPUs
+#   w1b     issue 20's world-size-1 goal with both build orders in ONE call: each GPU runs one model twice, one
+#           paired process after the other, the engines built in one order and then in the other (GPU 0: 1.3B,
+#           ZeRO-3's engine first, then SDP4Bit's; GPU 1: 406M, SDP4Bit's first, then ZeRO-3's), 150 timed steps
+#           each (one GPU: the 1.3B only)
+# usage: bash THIS COMMIT BUDGET_S const|abl|w1b
+# Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
+commit=$1; budget=$2
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=$commit
+find /tmp/torch_extensions -name lock -delete 2>/dev/null
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+G=$(nvidia-smi -L | wc -l); last=$((G - 1)); [ $last -gt 1 ] && last=1
+# the kernels built once before the runs side by side (each would otherwise build them at once)
+python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; echo "built at $SECONDS s"
+acc() {  # GPU OUTNAME ACCURACY-ARGS...
+  local g=$1 name=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu "$@" --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
+}
+case "$3" in
+const)
+  for s in 2 3; do g=$(( s == 2 ? 0 : last ))
+    acc $g c_replay_s$s --topologies 2x2 --configs zero3:replay --seeds $s --schedules constant
+    acc $g c_2x2_s$s --topologies 2x2 --configs sdp4bit --seeds $s --schedules constant
+    acc $g c_4x1_s$s --topologies 4x1 --configs sdp4bit --seeds $s --schedules constant; done
+  wait; grep -h "\[accuracy\].*: " $OUT/c_*.log ;;
+abl)
+  i=0; for c in qwd tlq_hs tlq qw zeropp; do acc $(( i % (last + 1) )) a_$c --topologies 2x2 --configs $c --seeds 1 --schedules cosine; i=$((i + 1)); done
+  wait; grep -h "\[accuracy\].*: " $OUT/a_*.log ;;
+w1b)
+  w1() {  # GPU MODEL CONFIGS...
+    local g=$1 m=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks e2e --models $m --topologies 1x1 --configs "$@" --paired --slow --warmup 3 --timed 150 --timeout 280 --out $OUT/w1_${m}_g${g}_$1 --deadline $((budget-SECONDS)) >> $OUT/w1_${m}_g$g.log 2>&1
+  }
+  (w1 0 1.3B zero3 sdp4bit; w1 0 1.3B sdp4bit zero3) &
+  [ $last -gt 0 ] && (w1 1 406M sdp4bit zero3; w1 1 406M zero3 sdp4bit) &
+  wait; grep -h "\[e2e\]" $OUT/w1_*.log ;;
+*) echo "usage: $0 COMMIT BUDGET_S const|abl|w1b" >&2; exit 2 ;;
+esac
+# (packed outside $OUT, then moved in: a tar written into the folder it reads fails with "file changed")
+tar czf /tmp/results.tgz -C $OUT . && find $OUT -mindepth 1 -delete && mv /tmp/results.tgz $OUT/
