@@ -8,8 +8,8 @@
 #           side, spread over the GPUs
 #   w1b     issue 20's world-size-1 goal with both build orders in ONE call: each GPU runs one model twice, one
 #           paired process after the other, the engines built in one order and then in the other (GPU 0: 1.3B,
-#           ZeRO-3's engine first, then SDP4Bit's; GPU 1: 406M, SDP4Bit's first, then ZeRO-3's), 150 timed steps
-#           each (one GPU: the 1.3B only)
+#           ZeRO-3's engine first, then SDP4Bit's; GPU 1: 406M, SDP4Bit's first, then ZeRO-3's),
+#           120 timed steps each (one GPU: the 1.3B only)
 # usage: bash THIS COMMIT BUDGET_S const|abl|w1b
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
@@ -37,7 +37,7 @@ abl)
 w1b)
   w1() {  # GPU MODEL CONFIGS...
     local g=$1 m=$2; shift 2
-    CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks e2e --models $m --topologies 1x1 --configs "$@" --paired --slow --warmup 3 --timed 150 --timeout 280 --out $OUT/w1_${m}_g${g}_$1 --deadline $((budget-SECONDS)) >> $OUT/w1_${m}_g$g.log 2>&1
+    CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks e2e --models $m --topologies 1x1 --configs "$@" --paired --slow --warmup 3 --timed 120 --timeout 240 --out $OUT/w1_${m}_g${g}_$1 --deadline $((budget-SECONDS)) >> $OUT/w1_${m}_g$g.log 2>&1
   }
   (w1 0 1.3B zero3 sdp4bit; w1 0 1.3B sdp4bit zero3) &
   [ $last -gt 0 ] && (w1 1 406M sdp4bit zero3; w1 1 406M zero3 sdp4bit) &
