@@ -32,7 +32,7 @@ const)
     acc $g c_4x1_s$s --topologies 4x1 --configs sdp4bit --seeds $s --schedules constant; done
   wait; grep -h "\[accuracy\].*: " $OUT/c_*.log ;;
 abl)
-  i=0; for c in qwd tlq_hs tlq qw zeropp; do acc $(( i % (last + 1) )) a_$c --topologies 2x2 --configs $c --seeds 1 --schedules cosine; i=$((i + 1)); done
+  i=0; for c in ${ABL:-qwd tlq_hs tlq qw zeropp}; do acc $(( i % (last + 1) )) a_$c --topologies 2x2 --configs $c --seeds 1 --schedules cosine; i=$((i + 1)); done
   wait; grep -h "\[accuracy\].*: " $OUT/a_*.log ;;
 w1b)
   w1() {  # GPU MODEL CONFIGS...
