@@ -29,6 +29,7 @@ import math
 import re
 import shutil
 import subprocess
+import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -443,7 +444,8 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
             "their mean first; min-max: the spread over the runs, seeds and repeats of a seed alike (ZeRO-3's is "
             "the noise band; GPU kernels are not deterministic, so repeats of one seed differ). `*`: a run "
             "stopped by its timeout after its last step and final evaluation (its teardown ran late; losses "
-            "complete).\n" + gap_over_run(rows, losses or {}) + replay_check(rows, losses or {}))
+            "complete).\n" + gap_over_run(rows, losses or {}) + cut_short(rows, losses or {})
+            + replay_check(rows, losses or {}))
 
 
 def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 1000,
@@ -471,6 +473,66 @@ def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
         return ""
     return ("\nGap over a long run: mean train loss of each span of steps against ZeRO-3's run(s) of the same seed "
             "over the same span:\n\n" + "\n".join(out) + "\n")
+
+
+def _finished_first(rs: Sequence[dict]) -> List[dict]:
+    """Per seed, its finished runs where it has one, else all its runs (those cut short)."""
+    done = {r["seed"] for r in rs if suite.finished_training(r)}
+    return [r for r in rs if r["seed"] not in done or suite.finished_training(r)]
+
+
+def cut_short(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 100, tail: int = 50) -> str:
+    """Runs killed before their last step (timeout or failure, per-step losses kept) against ZeRO-3 of the same
+    seed, for the configs with a seed that no finished run of theirs has: the last step that their runs and
+    their seeds' ZeRO-3 runs reached (``n``, >= ``min_steps``; a seed's finished runs where it has one, cut at
+    ``n`` too, else its runs cut short), then each seed's mean train
+    loss of steps n-tail+1..n against ZeRO-3's over the same steps, and their mean (SE from 2 seeds on).  Under a
+    constant lr (no warm-up, no decay) a run cut at step n IS an n-step run, as the schedule does not depend on
+    ``--steps``; under warm-up + cosine it is the first n steps of the longer schedule.  Empty without such a run."""
+    keyf = lambda r: (r.get("model"), r.get("ranks"), r.get("schedule"), r.get("steps"), bool(r.get("deterministic")),
+                      r.get("lr"), r.get("micro_batch"), r.get("seq"))
+    def ran(r):
+        return r.get("row_id") in losses and len(losses[r["row_id"]]) >= min_steps and r.get("status") != "stopped"
+    refs: Dict[tuple, List[dict]] = {}
+    cfgs: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        if not ran(r):
+            continue
+        if r.get("config") == "zero3" and r.get("variant") in ("zero3", "zero3:replay"):
+            refs.setdefault(keyf(r), []).append(r)
+        else:
+            cfgs.setdefault(keyf(r) + (r.get("variant"), r.get("topology")), []).append(r)
+    out = []
+    for key in sorted(cfgs, key=str):
+        rs = cfgs[key]
+        rs, zs = _finished_first(rs), _finished_first(refs.get(key[:-2], []))
+        if all(suite.finished_training(r) for r in rs):
+            continue   # every seed finished (its cut-short runs are repeats): the main table has them
+        seeds = sorted({r["seed"] for r in rs} & {z["seed"] for z in zs})
+        if not seeds:
+            continue
+        mine = [r for r in rs if r["seed"] in seeds] + [z for z in zs if z["seed"] in seeds]
+        n = min(len(losses[r["row_id"]]) for r in mine)
+        lo = max(0, n - tail)
+        def span(group, seed):
+            return _mean([_mean(losses[r["row_id"]][lo:n]) for r in group if r["seed"] == seed])
+        gaps = [(s, 100 * (span(rs, s) / span(zs, s) - 1)) for s in seeds]
+        mean = _mean([g for _, g in gaps])
+        se = (f", SE {statistics.stdev([g for _, g in gaps]) / math.sqrt(len(gaps)):.2f}" if len(gaps) > 1 else "")
+        model, ranks, sched, steps, det = key[:5]
+        what = ("a complete run of that many steps under a constant lr" if sched == "constant"
+                else f"the first {n} steps of the {steps}-step schedule")
+        cut = ", ".join(f"{r['seed']}: {r.get('status')} after {len(losses[r['row_id']])}" for r in
+                        sorted(rs, key=lambda r: (r["seed"], r.get("created", ""))) if not suite.finished_training(r))
+        out.append(f"- {model}{' deterministic' if det else ''}, {ranks} ranks, {sched} lr, {key[-2]} {key[-1]} "
+                   f"(runs cut short, seed: {cut}), at step {n} ({what}), steps {lo + 1}-{n}: {mean:+.2f}%{se} "
+                   f"(" + ", ".join(f"s{s}: {g:+.2f}%" for s, g in gaps) + "; "
+                   + ", ".join(sorted({str(r.get("machine")) for r in mine})) + ")")
+    if not out:
+        return ""
+    return ("\nRuns cut short (killed by a timeout before their last step; not in the table above): each config's "
+            "gap to ZeRO-3 of the same seed over the last 50 steps that all its runs and their seeds' ZeRO-3 runs "
+            "reached:\n\n" + "\n".join(out) + "\n")
 
 
 def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:

@@ -1013,3 +1013,34 @@ def test_a_host_row_takes_the_bound_of_its_own_kind_of_machine(tmp_path):
     assert not e2e.rebind(got["knob/406M_2x2_sdp4bit"], list(got.values()))
     # merging a kept run file again (the run file is the destination itself) works
     report.run_merge(Namespace(dir=str(d), files=[str(d / "runs" / "host.json")], backfill_configs=False))
+
+
+def test_cut_short_runs_are_compared_at_the_last_step_all_reached():
+    def row(variant, topo, seed, status, n, sched="constant"):
+        return dict(_acc_row(variant, topo, seed, 2.0, 2.1 if status == "ok" else None, status=status,
+                             steps_done=n, row_id=f"r/{variant}_{topo}_{seed}_{status}_{n}"), schedule=sched)
+    rows = [row("zero3:replay", "4r", 1, "ok", 500), row("zero3:replay", "4r", 2, "timeout", 350),
+            row("zero3:replay", "4r", 3, "timeout", 400),
+            row("sdp4bit", "2x2", 1, "ok", 500), row("sdp4bit", "2x2", 1, "timeout", 120),  # a cut repeat of seed 1
+            row("sdp4bit", "2x2", 2, "timeout", 300), row("sdp4bit", "2x2", 3, "timeout", 450),
+            # every seed finished: the main table has it, nothing here
+            row("sdp4bit", "4x1", 1, "ok", 500), row("sdp4bit", "4x1", 2, "timeout", 200, "cosine"),
+            row("zero3:replay", "4r", 2, "ok", 500, "cosine"), row("sdp4bit", "4x1", 2, "ok", 500, "cosine")]
+    losses = {r["row_id"]: [2.0] * r["steps_done"] for r in rows}
+    # seed 1: 1% above ZeRO-3 over steps 251-300 only (the window), seed 2: 2% above, seed 3: 3% below
+    losses["r/sdp4bit_2x2_1_ok_500"] = [2.0] * 250 + [2.02] * 50 + [9.0] * 200
+    losses["r/sdp4bit_2x2_2_timeout_300"] = [2.04] * 300
+    losses["r/sdp4bit_2x2_3_timeout_450"] = [1.94] * 450
+    losses["r/zero3:replay_4r_3_timeout_400"] = [2.0] * 300 + [5.0] * 100   # past step 300: not in the window
+    text = report.cut_short(rows, losses)
+    assert text.count("\n- ") == 1, text
+    line = next(x for x in text.splitlines() if x.startswith("- "))
+    assert "sdp4bit 2x2 (runs cut short, seed: 2: timeout after 300, 3: timeout after 450), at step 300" in line
+    assert "steps 251-300: +0.00%, SE 1.53 (s1: +1.00%, s2: +2.00%, s3: -3.00%; m)" in line
+    assert "a complete run of that many steps under a constant lr" in line
+    # under warm-up + cosine it is the first n steps of the longer schedule; too short a run gives nothing
+    cos = [row("zero3:replay", "4r", 1, "ok", 500, "cosine"), row("tlq", "2x2", 1, "timeout", 150, "cosine")]
+    assert "the first 150 steps of the 500-step schedule" in report.cut_short(cos, {r["row_id"]: [2.0] * r["steps_done"]
+                                                                                    for r in cos})
+    assert report.cut_short(cos, {r["row_id"]: [2.0] * 99 for r in cos}) == ""
+    assert report.cut_short(cos[1:], {cos[1]["row_id"]: [2.0] * 150}) == ""   # no ZeRO-3 of its seed
