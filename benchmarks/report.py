@@ -445,7 +445,7 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
             "the noise band; GPU kernels are not deterministic, so repeats of one seed differ). `*`: a run "
             "stopped by its timeout after its last step and final evaluation (its teardown ran late; losses "
             "complete).\n" + gap_over_run(rows, losses or {}) + cut_short(rows, losses or {})
-            + replay_check(rows, losses or {}))
+            + repeat_check(rows, losses or {}) + replay_check(rows, losses or {}))
 
 
 def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 1000,
@@ -533,6 +533,36 @@ def cut_short(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: i
     return ("\nRuns cut short (killed by a timeout before their last step; not in the table above): each config's "
             "gap to ZeRO-3 of the same seed over the last 50 steps that all its runs and their seeds' ZeRO-3 runs "
             "reached:\n\n" + "\n".join(out) + "\n")
+
+
+def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 10) -> str:
+    """Repeats of one run (same model, ranks, schedule, steps, lr, batch, config, topology, seed and deterministic
+    algorithms or not): per-step train loss of each against the first, over the steps all logged (finished runs
+    and runs cut short alike; a stopped part is not a run).  Empty without a repeat."""
+    keys = ("model", "ranks", "schedule", "steps", "lr", "micro_batch", "seq", "variant", "topology", "seed")
+    groups: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        if r.get("status") != "stopped" and len(losses.get(r.get("row_id"), ())) >= min_steps:
+            groups.setdefault(tuple(r.get(k) for k in keys) + (bool(r.get("deterministic")),), []).append(r)
+    out = []
+    for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+        if len(rs) < 2:
+            continue
+        rs = sorted(rs, key=lambda r: r.get("created", ""))
+        curves = [losses[r["row_id"]] for r in rs]
+        n = min(len(c) for c in curves)
+        rel = [max(abs(c[i] / curves[0][i] - 1) for c in curves[1:]) for i in range(n)]
+        model, ranks, sched, steps, _, _, _, variant, topo, seed, det = key
+        said = ("identical at every step" if max(rel) == 0 else
+                f"largest per-step difference {100 * max(rel):.2f}% (step {rel.index(max(rel)) + 1}), last step "
+                f"{100 * rel[-1]:.2f}%")
+        out.append(f"- {model}, {ranks} ranks, {sched} lr, {steps} steps, {variant} {topo}, seed {seed}, "
+                   f"{'deterministic algorithms' if det else 'default algorithms'}: {len(rs)} runs ("
+                   + ", ".join(sorted({str(r.get("machine")) for r in rs})) + f"), {n} common steps: {said}")
+    if not out:
+        return ""
+    return ("\nRepeats of one run (per-step train loss against the first; `--deterministic`: torch's deterministic "
+            "algorithms):\n\n" + "\n".join(out) + "\n")
 
 
 def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:

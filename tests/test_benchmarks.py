@@ -1044,3 +1044,21 @@ def test_cut_short_runs_are_compared_at_the_last_step_all_reached():
                                                                                     for r in cos})
     assert report.cut_short(cos, {r["row_id"]: [2.0] * 99 for r in cos}) == ""
     assert report.cut_short(cos[1:], {cos[1]["row_id"]: [2.0] * 150}) == ""   # no ZeRO-3 of its seed
+
+
+def test_repeat_check_compares_repeats_of_one_run_step_by_step():
+    a = dict(_acc_row("zero3:replay", "4r", 1, 2.0, 2.1, row_id="a/z"), created="1", deterministic=True)
+    b = dict(a, row_id="b/z", created="2")
+    c = dict(_acc_row("sdp4bit", "2x2", 1, 2.0, 2.1, row_id="c/s"), created="1")
+    d = dict(c, row_id="d/s", created="2", status="timeout", steps_done=12)
+    e = dict(c, row_id="e/s", created="3", seed=2)                          # another seed: not a repeat
+    f = dict(c, row_id="f/s", created="4", status="stopped", steps_done=20)  # a stopped part: not a run
+    losses = {"a/z": [3.0] * 20, "b/z": [3.0] * 20, "c/s": [4.0] * 20, "d/s": [4.0] * 5 + [4.4] + [4.04] * 6,
+              "e/s": [1.0] * 20, "f/s": [9.0] * 20}
+    text = report.repeat_check([a, b, c, d, e, f], losses)
+    assert "zero3:replay 4r, seed 1, deterministic algorithms: 2 runs (m), 20 common steps: identical at every step" \
+        in text
+    assert ("sdp4bit 2x2, seed 1, default algorithms: 2 runs (m), 12 common steps: largest per-step difference "
+            "10.00% (step 6), last step 1.00%") in text
+    assert text.count("\n- ") == 2
+    assert report.repeat_check([a, c], losses) == ""
