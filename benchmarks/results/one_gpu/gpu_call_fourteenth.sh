@@ -10,6 +10,12 @@
 #           paired process after the other, the engines built in one order and then in the other (GPU 0: 1.3B,
 #           ZeRO-3's engine first, then SDP4Bit's; GPU 1: 406M, SDP4Bit's first, then ZeRO-3's),
 #           120 timed steps each (one GPU: the 1.3B only)
+# At 41c5c80 / ff69b1d (2 x H100) three 86M runs side by side on one GPU took ~1 s per step (0.8 s two by two; the
+# gradient-only TLq / TLq-HS 2-3.3 s, as ZeRO-3's weight gathers cross the sockets), so a 500-step run does not fit one
+# call: const's six runs were cut at steps 325-350, TLq / TLq-HS at 275 / 150.  Since then every accuracy run stops
+# with a checkpoint in /tmp/acc_ckpt 45 s before the call's deadline, and the SAME command sent again at once (the
+# machine is kept only ~30 s after a call; a fresh one starts bare and the runs from step 0) goes on from there;
+# finished runs are skipped.
 # usage: bash THIS COMMIT BUDGET_S const|abl|w1b
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
@@ -20,9 +26,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 G=$(nvidia-smi -L | wc -l); last=$((G - 1)); [ $last -gt 1 ] && last=1
 # the kernels built once before the runs side by side (each would otherwise build them at once)
 python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; echo "built at $SECONDS s"
-acc() {  # GPU OUTNAME ACCURACY-ARGS...
+acc() {  # GPU OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
   local g=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu "$@" --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu "$@" --checkpoint-root /tmp/acc_ckpt --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
 }
 case "$3" in
 const)
