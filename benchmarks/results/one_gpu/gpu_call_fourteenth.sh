@@ -16,7 +16,9 @@
 # with a checkpoint in /tmp/acc_ckpt 45 s before the call's deadline, and the SAME command sent again at once (the
 # machine is kept only ~30 s after a call; a fresh one starts bare and the runs from step 0) goes on from there;
 # finished runs are skipped.
-# usage: bash THIS COMMIT BUDGET_S const|abl|w1b
+#   set     (planned) SEEDS="1 2 3" SCHED=cosine DET=1: a seed-paired set under torch's deterministic algorithms
+#           (DET=1 adds --deterministic to every accuracy run; repeats then give the same losses, checked at 79adf81)
+# usage: bash THIS COMMIT BUDGET_S const|abl|w1b|set
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -28,7 +30,7 @@ G=$(nvidia-smi -L | wc -l); last=$((G - 1)); [ $last -gt 1 ] && last=1
 python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; echo "built at $SECONDS s"
 acc() {  # GPU OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
   local g=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu "$@" --checkpoint-root /tmp/acc_ckpt --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu ${DET:+--deterministic} "$@" --checkpoint-root /tmp/acc_ckpt --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
 }
 case "$3" in
 const)
@@ -37,6 +39,11 @@ const)
     acc $g c_2x2_s$s --topologies 2x2 --configs sdp4bit --seeds $s --schedules constant
     acc $g c_4x1_s$s --topologies 4x1 --configs sdp4bit --seeds $s --schedules constant; done
   wait; grep -h "\[accuracy\].*: " $OUT/c_*.log ;;
+set)   # SEEDS="..." SCHED=constant|cosine [DET=1]: per seed the replay, SDP4Bit 2x2 and 4x1, seed i on GPU i mod G
+  i=0; for s in ${SEEDS:?set SEEDS}; do g=$(( i % (last + 1) )); i=$((i + 1))
+    for v in "2x2 zero3:replay" "2x2 sdp4bit" "4x1 sdp4bit"; do set -- $v
+      acc $g s_${2%%:*}_$1_s$s --topologies $1 --configs $2 --seeds $s --schedules ${SCHED:?set SCHED}; done; done
+  wait; grep -h "\[accuracy\].*: " $OUT/s_*.log ;;
 abl)
   i=0; for c in ${ABL:-qwd tlq_hs tlq qw zeropp}; do acc $(( i % (last + 1) )) a_$c --topologies 2x2 --configs $c --seeds 1 --schedules cosine; i=$((i + 1)); done
   wait; grep -h "\[accuracy\].*: " $OUT/a_*.log ;;
@@ -48,7 +55,7 @@ w1b)
   (w1 0 1.3B zero3 sdp4bit; w1 0 1.3B sdp4bit zero3) &
   [ $last -gt 0 ] && (w1 1 406M sdp4bit zero3; w1 1 406M zero3 sdp4bit) &
   wait; grep -h "\[e2e\]" $OUT/w1_*.log ;;
-*) echo "usage: $0 COMMIT BUDGET_S const|abl|w1b" >&2; exit 2 ;;
+*) echo "usage: $0 COMMIT BUDGET_S const|abl|w1b|set" >&2; exit 2 ;;
 esac
 # (packed outside $OUT, then moved in: a tar written into the folder it reads fails with "file changed")
 tar czf /tmp/results.tgz -C $OUT . && find $OUT -mindepth 1 -delete && mv /tmp/results.tgz $OUT/
