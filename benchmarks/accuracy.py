@@ -23,7 +23,8 @@ give each config its own process, side by side; the next runs of one process fin
 already finished in its folder is skipped.  The finished run's row has every step's loss, ``resumed_at_step``, and
 ``earlier_parts`` (the row ids of the stopped parts; their commands are in their run files and in
 DIR/<run name>/parts.json); ``ms_per_step`` is the median over every part's steps.
-The per-step losses go to ``--steps-file`` (default OUT/accuracy_steps.json, {row_id: [loss, ...]}).
+The per-step losses go to ``--steps-file`` (default OUT/accuracy_steps.json, {row_id: [loss, ...]}), a stopped
+part's too (its steps so far; the report uses the last part of a chain that never finished as a run cut short).
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ def run(args) -> int:
                         by = ("--stop-after" if final["stopped_after"] == args.stop_after else "--stop-margin")
                         row["reason"] = (f"stopped after step {final['stopped_after']} ({by}): checkpoint in {ckpt}, "
                                          f"the next call goes on")
-                        losses = []  # the finished run's row carries every step
+                        # kept under this part's row id: the finished run's row carries every step, and a chain
+                        # that never finishes (a fresh machine, /tmp bare) still leaves its steps so far
                     elif not ok:
                         row["error_tail"] = suite.log_tail(work / f"{name}.log")
                     if replay and (ok or stopped):

@@ -478,6 +478,15 @@ def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
             "over the same span:\n\n" + "\n".join(out) + "\n")
 
 
+def _runs_with_losses(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int) -> List[dict]:
+    """Rows that are a run with at least ``min_steps`` per-step losses: finished, killed before their last step
+    (timeout, failure), or the last part of a chain of ``--stop-after`` / ``--stop-margin`` parts that never
+    finished (a part that a later part lists in ``earlier_parts`` is not a run of its own)."""
+    later = {rid for r in rows for rid in (r.get("earlier_parts") or ())}
+    return [r for r in rows if len(losses.get(r.get("row_id"), ())) >= min_steps
+            and not (r.get("status") == "stopped" and r["row_id"] in later)]
+
+
 def _finished_first(rs: Sequence[dict]) -> List[dict]:
     """Per seed, its finished runs where it has one, else all its runs (those cut short)."""
     done = {r["seed"] for r in rs if suite.finished_training(r)}
@@ -485,68 +494,79 @@ def _finished_first(rs: Sequence[dict]) -> List[dict]:
 
 
 def cut_short(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 100, tail: int = 50) -> str:
-    """Runs killed before their last step (timeout or failure, per-step losses kept) against ZeRO-3 of the same
-    seed, for the configs with a seed that no finished run of theirs has: the last step that their runs and
-    their seeds' ZeRO-3 runs reached (``n``, >= ``min_steps``; a seed's finished runs where it has one, cut at
-    ``n`` too, else its runs cut short), then each seed's mean train
-    loss of steps n-tail+1..n against ZeRO-3's over the same steps, and their mean (SE from 2 seeds on).  Under a
-    constant lr (no warm-up, no decay) a run cut at step n IS an n-step run, as the schedule does not depend on
-    ``--steps``; under warm-up + cosine it is the first n steps of the longer schedule.  Empty without such a run."""
-    keyf = lambda r: (r.get("model"), r.get("ranks"), r.get("schedule"), r.get("steps"), bool(r.get("deterministic")),
-                      r.get("lr"), r.get("micro_batch"), r.get("seq"))
-    def ran(r):
-        return r.get("row_id") in losses and len(losses[r["row_id"]]) >= min_steps and r.get("status") != "stopped"
+    """Runs that ended before their last step (killed by a timeout or failure, or the last part of a chain of
+    stopped parts that never finished; per-step losses kept) against ZeRO-3 of the same seed, for the configs with
+    a seed that no finished run of theirs has: the last step ``n`` (>= ``min_steps``) that the compared runs and
+    their seeds' ZeRO-3 runs all reached (per seed its finished runs where it has one, cut at ``n`` too, else its
+    runs cut short), then each seed's mean train loss of steps n-tail+1..n against ZeRO-3's over the same steps,
+    their mean (SE from 2 seeds on), and the default config's gap over the same seeds and steps where it has runs
+    that long (the yardstick for an ablation cut short).  Under a constant lr (no warm-up, no decay) a run cut at
+    step n IS an n-step run, as the schedule does not depend on ``--steps``; under warm-up + cosine it is the first
+    n steps of the longer schedule.  Empty without such a run."""
+    def keyf(r):
+        return (r.get("model"), r.get("ranks"), r.get("schedule"), r.get("steps"), bool(r.get("deterministic")),
+                r.get("lr"), r.get("micro_batch"), r.get("seq"))
+
     refs: Dict[tuple, List[dict]] = {}
     cfgs: Dict[tuple, List[dict]] = {}
-    for r in rows:
-        if not ran(r):
-            continue
+    for r in _runs_with_losses(rows, losses, min_steps):
         if r.get("config") == "zero3" and r.get("variant") in ("zero3", "zero3:replay"):
             refs.setdefault(keyf(r), []).append(r)
         else:
             cfgs.setdefault(keyf(r) + (r.get("variant"), r.get("topology")), []).append(r)
-    out = []
-    for key in sorted(cfgs, key=str):
-        rs = cfgs[key]
-        rs, zs = _finished_first(rs), _finished_first(refs.get(key[:-2], []))
-        if all(suite.finished_training(r) for r in rs):
-            continue   # every seed finished (its cut-short runs are repeats): the main table has them
-        seeds = sorted({r["seed"] for r in rs} & {z["seed"] for z in zs})
-        if not seeds:
-            continue
-        mine = [r for r in rs if r["seed"] in seeds] + [z for z in zs if z["seed"] in seeds]
-        n = min(len(losses[r["row_id"]]) for r in mine)
-        lo = max(0, n - tail)
+
+    def gaps_at(rs, zs, seeds, lo, n):
         def span(group, seed):
             return _mean([_mean(losses[r["row_id"]][lo:n]) for r in group if r["seed"] == seed])
-        gaps = [(s, 100 * (span(rs, s) / span(zs, s) - 1)) for s in seeds]
+        return [(s, 100 * (span(rs, s) / span(zs, s) - 1)) for s in seeds]
+
+    out = []
+    for key in sorted(cfgs, key=str):
+        rs, zs = _finished_first(cfgs[key]), _finished_first(refs.get(key[:-2], []))
+        seeds = sorted({r["seed"] for r in rs} & {z["seed"] for z in zs})
+        mine = [r for r in rs + zs if r["seed"] in seeds]
+        if not seeds or all(suite.finished_training(r) for r in mine):
+            continue   # nothing cut short among the runs compared: the main table has them
+        n = min(len(losses[r["row_id"]]) for r in mine)
+        lo = max(0, n - tail)
+        gaps = gaps_at(rs, zs, seeds, lo, n)
         mean = _mean([g for _, g in gaps])
         se = (f", SE {statistics.stdev([g for _, g in gaps]) / math.sqrt(len(gaps)):.2f}" if len(gaps) > 1 else "")
         model, ranks, sched, steps, det = key[:5]
         what = ("a complete run of that many steps under a constant lr" if sched == "constant"
                 else f"the first {n} steps of the {steps}-step schedule")
-        cut = ", ".join(f"{r['seed']}: {r.get('status')} after {len(losses[r['row_id']])}" for r in
-                        sorted(rs, key=lambda r: (r["seed"], r.get("created", ""))) if not suite.finished_training(r))
-        out.append(f"- {model}{' deterministic' if det else ''}, {ranks} ranks, {sched} lr, {key[-2]} {key[-1]} "
-                   f"(runs cut short, seed: {cut}), at step {n} ({what}), steps {lo + 1}-{n}: {mean:+.2f}%{se} "
-                   f"(" + ", ".join(f"s{s}: {g:+.2f}%" for s, g in gaps) + "; "
-                   + ", ".join(sorted({str(r.get("machine")) for r in mine})) + ")")
+        cut = ", ".join(f"{r['variant']} s{r['seed']} {r.get('status')} after {len(losses[r['row_id']])}"
+                        for r in sorted(mine, key=lambda r: (r["config"] == "zero3", r["seed"], r.get("created", "")))
+                        if not suite.finished_training(r))
+        dflt = ""
+        if not rs[0].get("default"):
+            d_rs = [r for k, g in cfgs.items() if k[:-2] == key[:-2] and k[-1] == key[-1] for r in _finished_first(g)
+                    if r.get("default") and r["seed"] in seeds and len(losses[r["row_id"]]) >= n]
+            if {r["seed"] for r in d_rs} == set(seeds):
+                dg = gaps_at(d_rs, zs, seeds, lo, n)
+                dflt = (f"; the default config over the same seeds and steps: {_mean([g for _, g in dg]):+.2f}% ("
+                        + ", ".join(f"s{s}: {g:+.2f}%" for s, g in dg) + ")")
+        out.append(f"- {model}{' deterministic' if det else ''}, {ranks} ranks, {sched} lr, {key[-2]} {key[-1]}, at "
+                   f"step {n} ({what}; cut short: {cut}), steps {lo + 1}-{n}: {mean:+.2f}%{se} ("
+                   + ", ".join(f"s{s}: {g:+.2f}%" for s, g in gaps) + "; "
+                   + ", ".join(sorted({f"{r.get('machine')} {r.get('commit')}" for r in mine})) + f"){dflt}")
     if not out:
         return ""
-    return ("\nRuns cut short (killed by a timeout before their last step; not in the table above): each config's "
-            "gap to ZeRO-3 of the same seed over the last 50 steps that all its runs and their seeds' ZeRO-3 runs "
-            "reached:\n\n" + "\n".join(out) + "\n")
+    return ("\nRuns cut short (ended before their last step: killed by a timeout or a failure, or stopped parts "
+            "never continued), with the seeds they share with ZeRO-3: each config's gap to ZeRO-3 of the same seed "
+            f"over the last {tail} steps that all of them reached (machines and commits in brackets: runs of one "
+            "seed on different GPU models or commits part at the first steps):\n\n" + "\n".join(out) + "\n")
 
 
 def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 10) -> str:
-    """Repeats of one run (same model, ranks, schedule, steps, lr, batch, config, topology, seed and deterministic
-    algorithms or not): per-step train loss of each against the first, over the steps all logged (finished runs
-    and runs cut short alike; a stopped part is not a run).  Empty without a repeat."""
-    keys = ("model", "ranks", "schedule", "steps", "lr", "micro_batch", "seq", "variant", "topology", "seed")
+    """Repeats of one run (same model, ranks, schedule, steps, lr, batch, variant, topology, seed, commit, machine
+    and deterministic algorithms or not): per-step train loss of each against the first, over the steps all logged
+    (finished runs and runs cut short alike: :func:`_runs_with_losses`).  Empty without a repeat."""
+    keys = ("model", "ranks", "schedule", "steps", "lr", "micro_batch", "seq", "variant", "topology", "seed",
+            "commit", "machine")
     groups: Dict[tuple, List[dict]] = {}
-    for r in rows:
-        if r.get("status") != "stopped" and len(losses.get(r.get("row_id"), ())) >= min_steps:
-            groups.setdefault(tuple(r.get(k) for k in keys) + (bool(r.get("deterministic")),), []).append(r)
+    for r in _runs_with_losses(rows, losses, min_steps):
+        groups.setdefault(tuple(r.get(k) for k in keys) + (bool(r.get("deterministic")),), []).append(r)
     out = []
     for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
         if len(rs) < 2:
@@ -555,17 +575,17 @@ def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
         curves = [losses[r["row_id"]] for r in rs]
         n = min(len(c) for c in curves)
         rel = [max(abs(c[i] / curves[0][i] - 1) for c in curves[1:]) for i in range(n)]
-        model, ranks, sched, steps, _, _, _, variant, topo, seed, det = key
+        model, ranks, sched, steps, _, _, _, variant, topo, seed, commit, machine, det = key
         said = ("identical at every step" if max(rel) == 0 else
-                f"largest per-step difference {100 * max(rel):.2f}% (step {rel.index(max(rel)) + 1}), last step "
+                f"largest per-step difference {100 * max(rel):.2f}% (step {rel.index(max(rel)) + 1}), at step {n} "
                 f"{100 * rel[-1]:.2f}%")
         out.append(f"- {model}, {ranks} ranks, {sched} lr, {steps} steps, {variant} {topo}, seed {seed}, "
-                   f"{'deterministic algorithms' if det else 'default algorithms'}: {len(rs)} runs ("
-                   + ", ".join(sorted({str(r.get("machine")) for r in rs})) + f"), {n} common steps: {said}")
+                   f"{'deterministic algorithms' if det else 'default algorithms'}: {len(rs)} runs ({machine}, "
+                   f"{commit}), {n} common steps: {said}")
     if not out:
         return ""
-    return ("\nRepeats of one run (per-step train loss against the first; `--deterministic`: torch's deterministic "
-            "algorithms):\n\n" + "\n".join(out) + "\n")
+    return ("\nRepeats of one run, same code and GPU model (per-step train loss against the first; `--deterministic`: "
+            "torch's deterministic algorithms):\n\n" + "\n".join(out) + "\n")
 
 
 def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:
@@ -1042,13 +1062,20 @@ def _log_ratio_verdict(st: dict, label: str) -> Tuple[str, str]:
 
 
 def pool_paired(stats: Sequence[dict]) -> dict:
-    """Paired runs of one cell taken together: the inverse-variance weighted mean of their mean log ratios, its
-    standard error, and their steps (``n``); the runs are independent processes, so their SEs combine.  Every SE
-    must be > 0 (:func:`pool_build_orders` leaves runs without a spread out)."""
+    """Paired runs of one cell taken together: the inverse-variance weighted mean of their mean log ratios, and its
+    standard error: the larger of the runs' own SEs combined and the spread of the run means between processes
+    (SD / sqrt(runs), from two runs on: a process carries an offset between its two engines that its own steps do
+    not see, up to ~5% for the same code in the fourteenth session's runs); ``n`` their steps.  Every SE must be
+    > 0 (:func:`pool_build_orders` leaves runs without a spread out)."""
     w = [1 / st["log_ratio_se"] ** 2 for st in stats]
     mean = sum(wi * st["log_ratio_mean"] for wi, st in zip(w, stats)) / sum(w)
-    return {"n": sum(st["n"] for st in stats), "log_ratio_mean": mean, "log_ratio_se": math.sqrt(1 / sum(w)),
-            "runs": len(stats)}
+    se = math.sqrt(1 / sum(w))
+    if len(stats) > 1:
+        se = max(se, statistics.stdev(st["log_ratio_mean"] for st in stats) / math.sqrt(len(stats)))
+    return {"n": sum(st["n"] for st in stats), "log_ratio_mean": mean, "log_ratio_se": se, "runs": len(stats)}
+
+
+PAIRED_MIN_RUNS = 2   # per build order: the spread between processes needs two
 
 
 def pool_build_orders(rows: Sequence[dict]) -> Tuple[Optional[dict], str]:
@@ -1074,6 +1101,9 @@ def pool_build_orders(rows: Sequence[dict]) -> Tuple[Optional[dict], str]:
     if len(pooled) < 2:
         return None, (f"{said or 'no paired run of known build order'}{unknown}: one build order only (the engine a "
                       f"process builds second can be the slower one: runs with the other order needed)")
+    if min(st["runs"] for st in pooled.values()) < PAIRED_MIN_RUNS:
+        return None, (f"{said}{unknown}: fewer than {PAIRED_MIN_RUNS} runs of a build order (one process's offset "
+                      f"between its engines is not seen by its own steps: runs needed to measure their spread)")
     f, s = pooled["first"], pooled["second"]
     st = {"n": f["n"] + s["n"], "runs": f["runs"] + s["runs"],
           "log_ratio_mean": (f["log_ratio_mean"] + s["log_ratio_mean"]) / 2,
@@ -1191,7 +1221,7 @@ def _default_loss_groups(acc_rows: Sequence[dict]):
     ``--deterministic``, the replay reference)."""
     for key, g in sorted(_acc_groups(acc_rows).items(), key=_acc_order):
         ref = g.get("zero3")
-        if not ref or key[2] < HEADLINE_MIN_STEPS:
+        if not ref or (key[2] or 0) < HEADLINE_MIN_STEPS:
             continue
         for name, rs in sorted(g.items()):
             if name != "zero3" and rs[0].get("default"):

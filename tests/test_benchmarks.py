@@ -190,11 +190,11 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
         st = dict(d["paired"], log_ratio_mean=mean, log_ratio_se=se, n=n)
         assert report._paired_verdict(dict(d, paired=st))[1] == want
     # a cell's paired runs on one machine pool over the two build orders, weighted equally (each alone here: +1.2%
-    # at 2 SE, not resolved; pooled: met), and its runs in separate processes are listed as superseded (this one,
-    # 2x slower, would be "not met")
+    # at 2 SE, not resolved; pooled, two runs per order: met), and its runs in separate processes are listed as
+    # superseded (this one, 2x slower, would be "not met")
     zr = by[("1x1", "zero3")]
     cell = []
-    for run, order in (("p1", "first"), ("p2", "second")):
+    for run, order in (("p1", "first"), ("p2", "second"), ("p3", "first"), ("p4", "second")):
         st = dict(d["paired"], n=10, log_ratio_mean=0.0, log_ratio_se=0.006, built=order)
         cell += [dict(d, model="406M", run_id=run, row_id=f"{run}/d", paired_with=f"{run}/z", paired=st),
                  dict(zr, model="406M", run_id=run, row_id=f"{run}/z", paired_with=f"{run}/d")]
@@ -202,34 +202,45 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
              if k not in ("paired", "paired_with")} for r in (d, zr)]
     solo[0].update(ms_per_step=200.0, ms_min=190.0, ms_max=210.0)
     solo[1].update(ms_per_step=100.0, ms_min=95.0, ms_max=105.0, timed_steps=solo[0]["timed_steps"])
-    assert [report._paired_verdict(r)[1] for r in cell[::2]] == ["not resolved"] * 2
-    m, v = report._same_code_goal([cell[0], cell[2], solo[0]], cell + solo, today)
-    assert v == "met" and "2 paired runs, both build orders weighted equally" in m and "): +0.00% (" in m
+    assert [report._paired_verdict(r)[1] for r in cell[::2]] == ["not resolved"] * 4
+    m, v = report._same_code_goal(cell[::2] + [solo[0]], cell + solo, today)
+    assert v == "met" and "4 paired runs, both build orders weighted equally" in m and "): +0.00% (" in m
     assert "+100.00%: superseded by the paired runs of this cell" in m
+    # one run of an order is not enough: a process's offset between its engines is invisible to its own steps
+    m, v = report._same_code_goal([cell[0], cell[2]], cell[:4], today)
+    assert v == "not resolved" and "fewer than 2 runs of a build order" in m
     # the two orders weigh equally however many runs each has: a build-order effect of +-1% cancels
-    st2 = report.pool_build_orders([dict(cell[0], paired=dict(cell[0]["paired"], log_ratio_mean=-0.01)),
-                                    dict(cell[2], paired=dict(cell[2]["paired"], log_ratio_mean=0.01))] * 1
-                                   + [dict(cell[2], paired=dict(cell[2]["paired"], log_ratio_mean=0.01))] * 3)[0]
+    first, second = (dict(cell[0], paired=dict(cell[0]["paired"], log_ratio_mean=-0.01)),
+                     dict(cell[2], paired=dict(cell[2]["paired"], log_ratio_mean=0.01)))
+    st2 = report.pool_build_orders([first] * 2 + [second] * 3)[0]
     assert st2["log_ratio_mean"] == pytest.approx(0.0) and st2["runs"] == 5 and st2["n"] == 50
-    assert st2["log_ratio_se"] == pytest.approx(math.sqrt(0.006 ** 2 + 0.006 ** 2 / 4) / 2)
+    assert st2["log_ratio_se"] == pytest.approx(math.sqrt(0.006 ** 2 / 2 + 0.006 ** 2 / 3) / 2)
+    # runs of one order that disagree more than their own SEs allow: the spread between them sets the SE
+    apart = [dict(first, paired=dict(first["paired"], log_ratio_mean=x)) for x in (-0.05, 0.05)]
+    st3 = report.pool_build_orders(apart + [second] * 2)[0]
+    assert st3["log_ratio_se"] == pytest.approx(math.sqrt(0.05 ** 2 + 0.006 ** 2 / 2) / 2)
     # an order of too few steps, or a run without a spread (SE 0), decides nothing
     left = "1 run(s) without a spread or of fewer than 10 (or an odd number of) steps left out"
     for bad in ({"n": 4}, {"n": 11}, {"log_ratio_se": 0.0}):
         st0, why = report.pool_build_orders([dict(cell[0], paired=dict(cell[0]["paired"], **bad)), cell[2]])
         assert st0 is None and left in why and "one build order only" in why, bad
-    # a short run beside a long one of its order is left out, not pooled (it would weigh in through its tiny SE)
+    # a short run beside long ones of its order is left out, not pooled (it would weigh in through its tiny SE)
     st1 = report.pool_build_orders([dict(cell[0], paired=dict(cell[0]["paired"], n=4, log_ratio_se=1e-6,
                                                                 log_ratio_mean=0.5))] + cell[::2])[0]
-    assert st1["runs"] == 2 and st1["log_ratio_mean"] == pytest.approx(0.0)
+    assert st1["runs"] == 4 and st1["log_ratio_mean"] == pytest.approx(0.0)
     # both runs with SDP4Bit's engine built second: however many, not resolved
     same = [dict(r, paired=dict(r["paired"], built="second")) if r.get("config") == d["config"] else r for r in cell]
-    m, v = report._same_code_goal([same[0], same[2]], same, today)
-    assert v == "not resolved" and "one build order only" in m and "(2 run(s), 20 steps)" in m
+    m, v = report._same_code_goal(same[::2], same, today)
+    assert v == "not resolved" and "one build order only" in m and "(4 run(s), 40 steps)" in m
     assert report._same_code_goal([solo[0]], solo, today)[1] == "not met"   # without the paired runs
     pooled = report.pool_paired([{"n": 10, "log_ratio_mean": 0.01, "log_ratio_se": 0.01},
                                  {"n": 20, "log_ratio_mean": 0.04, "log_ratio_se": 0.02}])
     assert pooled["n"] == 30 and pooled["log_ratio_mean"] == pytest.approx((0.01 / 1e-4 + 0.04 / 4e-4) / (1e4 + 2.5e3))
-    assert pooled["log_ratio_se"] == pytest.approx((1e4 + 2.5e3) ** -0.5)
+    # the two means lie 0.03 apart: their spread (0.03 / sqrt 2 / sqrt 2) outweighs the steps' own SE
+    assert pooled["log_ratio_se"] == pytest.approx(0.015) and 0.015 > (1e4 + 2.5e3) ** -0.5
+    close = report.pool_paired([{"n": 10, "log_ratio_mean": 0.01, "log_ratio_se": 0.01},
+                                {"n": 20, "log_ratio_mean": 0.011, "log_ratio_se": 0.02}])
+    assert close["log_ratio_se"] == pytest.approx((1e4 + 2.5e3) ** -0.5)
     # train_gpt.py refuses what two engines in one process cannot give
     train = [sys.executable, str(suite.TRAIN), "--ds-config", "configs/zero3.json", "--paired-ds-config",
              "configs/sdp4bit.json"]
@@ -420,7 +431,11 @@ def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     assert "train_loss" not in rows[0] and "--stop-after 2" in rows[0]["command"]
     la = json.loads((whole / "accuracy_steps.json").read_text())[a["row_id"]]
     lb = json.loads((split / "accuracy_steps.json").read_text())
-    assert set(lb) == {b["row_id"]}  # the stopped parts add no curve of their own
+    # each stopped part keeps its steps so far (a chain never continued is still a run cut short); the finished
+    # row has every step, and the report takes only it (the parts are its earlier_parts)
+    assert set(lb) == {r["row_id"] for r in rows[:4]}
+    assert [len(lb[r["row_id"]]) for r in rows[:4]] == [2, 3, 5, 6] and lb[rows[2]["row_id"]] == lb[b["row_id"]][:5]
+    assert [r["row_id"] for r in report._runs_with_losses(rows, lb, 1)] == [b["row_id"]]
     assert lb[b["row_id"]] == pytest.approx(la, rel=1e-6)
     assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
     assert b["heldout_loss"] == pytest.approx(a["heldout_loss"], rel=1e-6)
@@ -1020,16 +1035,23 @@ def test_a_host_row_takes_the_bound_of_its_own_kind_of_machine(tmp_path):
 
 
 def test_cut_short_runs_are_compared_at_the_last_step_all_reached():
-    def row(variant, topo, seed, status, n, sched="constant"):
+    def row(variant, topo, seed, status, n, sched="constant", **kw):
         return dict(_acc_row(variant, topo, seed, 2.0, 2.1 if status == "ok" else None, status=status,
-                             steps_done=n, row_id=f"r/{variant}_{topo}_{seed}_{status}_{n}"), schedule=sched)
+                             steps_done=n, row_id=kw.pop("row_id", f"r/{variant}_{topo}_{seed}_{status}_{n}")),
+                    schedule=sched, default=variant == "sdp4bit", **kw)
     rows = [row("zero3:replay", "4r", 1, "ok", 500), row("zero3:replay", "4r", 2, "timeout", 350),
             row("zero3:replay", "4r", 3, "timeout", 400),
+            row("zero3:replay", "4r", 1, "timeout", 110),    # a cut repeat of a finished ZeRO-3 seed: not its n
             row("sdp4bit", "2x2", 1, "ok", 500), row("sdp4bit", "2x2", 1, "timeout", 120),  # a cut repeat of seed 1
             row("sdp4bit", "2x2", 2, "timeout", 300), row("sdp4bit", "2x2", 3, "timeout", 450),
             # every seed finished: the main table has it, nothing here
             row("sdp4bit", "4x1", 1, "ok", 500), row("sdp4bit", "4x1", 2, "timeout", 200, "cosine"),
-            row("zero3:replay", "4r", 2, "ok", 500, "cosine"), row("sdp4bit", "4x1", 2, "ok", 500, "cosine")]
+            row("zero3:replay", "4r", 2, "ok", 500, "cosine"), row("sdp4bit", "4x1", 2, "ok", 500, "cosine"),
+            # a run under deterministic algorithms is not compared with ZeRO-3 runs without them
+            row("sdp4bit", "2x2", 4, "timeout", 300, deterministic=True), row("zero3:replay", "4r", 4, "ok", 500),
+            # a stopped part that a later part continued is no run of its own (nor its 140 steps an n)
+            row("sdp4bit", "2x2", 3, "stopped", 140, row_id="r/part1"),
+            dict(row("sdp4bit", "2x2", 5, "ok", 500), earlier_parts=["r/part1"])]
     losses = {r["row_id"]: [2.0] * r["steps_done"] for r in rows}
     # seed 1: 1% above ZeRO-3 over steps 251-300 only (the window), seed 2: 2% above, seed 3: 3% below
     losses["r/sdp4bit_2x2_1_ok_500"] = [2.0] * 250 + [2.02] * 50 + [9.0] * 200
@@ -1039,15 +1061,31 @@ def test_cut_short_runs_are_compared_at_the_last_step_all_reached():
     text = report.cut_short(rows, losses)
     assert text.count("\n- ") == 1, text
     line = next(x for x in text.splitlines() if x.startswith("- "))
-    assert "sdp4bit 2x2 (runs cut short, seed: 2: timeout after 300, 3: timeout after 450), at step 300" in line
-    assert "steps 251-300: +0.00%, SE 1.53 (s1: +1.00%, s2: +2.00%, s3: -3.00%; m)" in line
-    assert "a complete run of that many steps under a constant lr" in line
-    # under warm-up + cosine it is the first n steps of the longer schedule; too short a run gives nothing
-    cos = [row("zero3:replay", "4r", 1, "ok", 500, "cosine"), row("tlq", "2x2", 1, "timeout", 150, "cosine")]
-    assert "the first 150 steps of the 500-step schedule" in report.cut_short(cos, {r["row_id"]: [2.0] * r["steps_done"]
-                                                                                    for r in cos})
+    assert ("sdp4bit 2x2, at step 300 (a complete run of that many steps under a constant lr; cut short: sdp4bit s2 "
+            "timeout after 300, sdp4bit s3 timeout after 450, zero3:replay s2 timeout after 350, zero3:replay s3 "
+            "timeout after 400)") in line, line
+    assert "steps 251-300: +0.00%, SE 1.53 (s1: +1.00%, s2: +2.00%, s3: -3.00%; m c)" in line
+    assert "the default config" not in line   # it is the default
+    # under warm-up + cosine it is the first n steps of the longer schedule, with the default's gap beside an
+    # ablation; too short a run, or one without its seed's ZeRO-3, gives nothing
+    cos = [row("zero3:replay", "4r", 1, "ok", 500, "cosine"), row("tlq", "2x2", 1, "timeout", 150, "cosine"),
+           row("sdp4bit", "2x2", 1, "ok", 500, "cosine")]
+    cl = {r["row_id"]: [2.0] * r["steps_done"] for r in cos}
+    cl[cos[2]["row_id"]] = [2.0] * 100 + [2.02] * 50 + [2.0] * 350
+    text = report.cut_short(cos, cl)
+    assert "the first 150 steps of the 500-step schedule" in text
+    assert "; the default config over the same seeds and steps: +1.00% (s1: +1.00%)" in text
     assert report.cut_short(cos, {r["row_id"]: [2.0] * 99 for r in cos}) == ""
-    assert report.cut_short(cos[1:], {cos[1]["row_id"]: [2.0] * 150}) == ""   # no ZeRO-3 of its seed
+    assert report.cut_short(cos[1:], {k: v for k, v in cl.items() if k != cos[0]["row_id"]}) == ""
+    # a cut seed without ZeRO-3 beside finished ones: the seeds compared are all finished, so nothing (the main
+    # table has them)
+    both = [row("zero3:replay", "4r", 1, "ok", 500), row("sdp4bit", "2x2", 1, "ok", 500),
+            row("sdp4bit", "2x2", 2, "timeout", 300)]
+    assert report.cut_short(both, {r["row_id"]: [2.0] * r["steps_done"] for r in both}) == ""
+    # the last part of a chain that never finished counts as a run cut short
+    chain = [row("zero3:replay", "4r", 1, "ok", 500), row("sdp4bit", "2x2", 1, "stopped", 200)]
+    assert "sdp4bit s1 stopped after 200" in report.cut_short(chain, {r["row_id"]: [2.0] * r["steps_done"]
+                                                                      for r in chain})
 
 
 def test_repeat_check_compares_repeats_of_one_run_step_by_step():
@@ -1056,13 +1094,16 @@ def test_repeat_check_compares_repeats_of_one_run_step_by_step():
     c = dict(_acc_row("sdp4bit", "2x2", 1, 2.0, 2.1, row_id="c/s"), created="1")
     d = dict(c, row_id="d/s", created="2", status="timeout", steps_done=12)
     e = dict(c, row_id="e/s", created="3", seed=2)                          # another seed: not a repeat
-    f = dict(c, row_id="f/s", created="4", status="stopped", steps_done=20)  # a stopped part: not a run
+    f = dict(c, row_id="f/s", created="4", status="stopped", steps_done=20)  # a part continued by g: not a run
+    g = dict(c, row_id="g/s", created="5", seed=3, earlier_parts=["f/s"])
+    h = dict(c, row_id="h/s", created="6", commit="other")                  # other code: not a repeat
+    i = dict(c, row_id="i/s", created="7", machine="other GPU")             # another GPU model: not a repeat
     losses = {"a/z": [3.0] * 20, "b/z": [3.0] * 20, "c/s": [4.0] * 20, "d/s": [4.0] * 5 + [4.4] + [4.04] * 6,
-              "e/s": [1.0] * 20, "f/s": [9.0] * 20}
-    text = report.repeat_check([a, b, c, d, e, f], losses)
-    assert "zero3:replay 4r, seed 1, deterministic algorithms: 2 runs (m), 20 common steps: identical at every step" \
-        in text
-    assert ("sdp4bit 2x2, seed 1, default algorithms: 2 runs (m), 12 common steps: largest per-step difference "
-            "10.00% (step 6), last step 1.00%") in text
+              "e/s": [1.0] * 20, "f/s": [9.0] * 20, "g/s": [1.0] * 20, "h/s": [8.0] * 20, "i/s": [8.0] * 20}
+    text = report.repeat_check([a, b, c, d, e, f, g, h, i], losses)
+    assert ("zero3:replay 4r, seed 1, deterministic algorithms: 2 runs (m, c), 20 common steps: identical at every "
+            "step") in text
+    assert ("sdp4bit 2x2, seed 1, default algorithms: 2 runs (m, c), 12 common steps: largest per-step difference "
+            "10.00% (step 6), at step 12 1.00%") in text
     assert text.count("\n- ") == 2
     assert report.repeat_check([a, c], losses) == ""

@@ -1,12 +1,21 @@
 #!/bin/bash
 # Issue 21: does `accuracy --deterministic` (torch's deterministic algorithms) make a repeat of one run give the same
-# losses on a GPU?  The ZeRO-3 replay of the 86M, seed 1, constant lr, twice, 40 steps each, one process after the
-# other (repeats of one ZeRO-3 seed differed by 0.9-1.5% at 500 steps without it).  usage: bash THIS COMMIT BUDGET_S
-commit=$1; budget=$2
+# losses on a GPU?  The 86M, seed 1, constant lr, 40 steps, 4 ranks on one GPU, each config twice, one process after
+# the other (repeats of one seed differed by 0.1-2.6% at their last common step without it): the ZeRO-3 replay
+# ("zero3"), then SDP4Bit 2x2 after the kernel build ("sdp4bit").  Run at 79adf81 on one H100 in three calls (the
+# replay's second run, skipped by the first call's deadline, sent again alone; then the SDP4Bit part).
+# usage: bash THIS COMMIT BUDGET_S [zero3|sdp4bit|both]
+commit=$1; budget=$2; what=${3:-both}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 SDP4BIT_COMMIT=$commit
+export PYTHONUNBUFFERED=1 SDP4BIT_COMMIT=$commit TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
 nvidia-smi --query-gpu=name --format=csv,noheader
-for i in 1 2; do
-  python3 -m benchmarks accuracy --share-gpu --deterministic --topologies 2x2 --configs zero3:replay --seeds 1 --steps 40 --schedules constant --out $OUT/d$i --deadline $((budget-SECONDS)) 2>&1 | grep "\[accuracy\].*: "
-done
+twice() {  # CONFIG OUTPREFIX
+  for i in 1 2; do
+    python3 -m benchmarks accuracy --share-gpu --deterministic --topologies 2x2 --configs $1 --seeds 1 --steps 40 --schedules constant --out $OUT/$2$i --deadline $((budget-SECONDS)) 2>&1 | grep "\[accuracy\].*: "
+  done
+}
+case "$what" in zero3|both) twice zero3:replay d ;; esac
+case "$what" in sdp4bit|both)
+  python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; echo "built at $SECONDS s"
+  twice sdp4bit s ;; esac
 tar czf /tmp/results.tgz -C $OUT . && find $OUT -mindepth 1 -delete && mv /tmp/results.tgz $OUT/
