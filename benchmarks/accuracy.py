@@ -2,7 +2,8 @@
 
 Defaults are the project's 86M accuracy runs: GPT d768 L12 H12 on the byte corpus of examples/data.py (the Python
 standard library source), micro-batch 8, seq 1024, AdamW lr 6e-4, 500 steps; ``--schedules constant`` (no
-warm-up, no decay) and/or ``cosine`` (linear warm-up over 5% of the steps, cosine to 0.1 x lr).  A seed sets
+warm-up, no decay) and/or ``cosine`` (linear warm-up over 5% of the steps, or ``--warmup N`` steps: rows name that
+schedule ``cosine-wN``; cosine to 0.1 x lr).  A seed sets
 both the model initialisation (``--seed``) and the data order (``--data-seed``) of train_gpt.py.
 
 ``zero3:replay`` is the ZeRO-3 reference without the cost of a multi-rank run over sockets: world size 1 with
@@ -33,7 +34,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from . import suite
 
@@ -45,6 +46,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="NAME[:REPLICA] as for e2e, or zero3:replay (world-1 replay reference)")
     p.add_argument("--seeds", nargs="+", type=int, default=[1])
     p.add_argument("--schedules", nargs="+", choices=("constant", "cosine"), default=["constant"])
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="warm-up steps of the cosine schedule (default 5%% of --steps); another value names the "
+                        "schedule cosine-wN in the rows, so their runs form groups of their own")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--micro-batch", type=int, default=8)
@@ -75,13 +79,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "would be killed (--timeout or --deadline); needs --checkpoint-root; 0: off")
 
 
-def _schedule_args(schedule: str, steps: int) -> List[str]:
+def _default_warmup(steps: int) -> int:
+    return max(1, steps // 20)
+
+
+def _schedule(schedule: str, args) -> Tuple[str, int, List[str]]:
+    """(the rows' name of the schedule, its warm-up steps, train_gpt.py's arguments for it): ``cosine`` with the
+    default warm-up (5% of the steps), ``cosine-wN`` with ``--warmup N``, ``constant`` (no warm-up, no decay)."""
     if schedule == "constant":
-        return ["--warmup", "0", "--min-lr-ratio", "1.0"]
-    return ["--warmup", str(max(1, steps // 20)), "--min-lr-ratio", "0.1"]
+        return "constant", 0, ["--warmup", "0", "--min-lr-ratio", "1.0"]
+    w = _default_warmup(args.steps) if args.warmup is None else args.warmup
+    name = "cosine" if w == _default_warmup(args.steps) else f"cosine-w{w}"
+    return name, w, ["--warmup", str(w), "--min-lr-ratio", "0.1"]
 
 
-_RESUME_KEYS = ("model", "steps", "lr", "micro_batch", "seq", "eval_batches", "train_arg", "deterministic")
+_RESUME_KEYS = ("model", "steps", "lr", "micro_batch", "seq", "eval_batches", "train_arg", "deterministic", "warmup")
 
 
 def _check_resume_folders(root: Path, args) -> None:
@@ -90,7 +102,7 @@ def _check_resume_folders(root: Path, args) -> None:
     for parts_file in sorted(root.glob("*/parts.json")) if root.is_dir() else []:
         old = json.loads(parts_file.read_text()).get("args")
         if old is not None:
-            old = {"deterministic": False, **old}   # folders from before the flag ran without it
+            old = {"deterministic": False, "warmup": None, **old}   # folders from before the flags ran without them
         if old is not None and old != mine:
             raise SystemExit(f"accuracy: {parts_file.parent} holds a run of other arguments ({old}, now {mine}); "
                              f"remove it or use another --checkpoint-root")
@@ -164,7 +176,11 @@ def run(args) -> int:
     res_file = out / f"{run_id}.json"
     shape = suite.MODELS[args.model]
     done_replay = set()
-    for schedule in args.schedules:
+    if args.warmup is not None and not (0 <= args.warmup < args.steps and "cosine" in args.schedules):
+        raise SystemExit(f"accuracy: --warmup is the cosine schedule's (pass --schedules cosine) and must be 0 .. "
+                         f"{args.steps - 1} (below --steps), got {args.warmup}")
+    for sched_arg in args.schedules:
+        schedule, warmup, sched_targs = _schedule(sched_arg, args)
         for seed in args.seeds:
             for topo, (nodes, gpn) in topos:
                 world = nodes * gpn
@@ -184,7 +200,8 @@ def run(args) -> int:
                            "config": v.config, "variant": label, "replica_requested": v.replica,
                            "default": v.is_default and not replay, "reference": "replay" if replay else None,
                            "topology": f"{world}r" if replay else topo, "ranks": world,
-                           "model": args.model, "seed": seed, "schedule": schedule, "steps": args.steps,
+                           "model": args.model, "seed": seed, "schedule": schedule, "warmup": warmup,
+                           "steps": args.steps,
                            "lr": args.lr, "micro_batch": args.micro_batch, "seq": args.seq}
                     if v.replica == "node" and gpn == 1 and nodes > 1:
                         row.update(status="skipped", reason="replica node with one rank per node is refused")
@@ -209,7 +226,7 @@ def run(args) -> int:
                              "--micro-batch", str(args.micro_batch), "--steps", str(args.steps),
                              "--lr", str(args.lr), "--seed", str(seed), "--data-seed", str(seed),
                              "--eval-every", "0", "--eval-batches", str(args.eval_batches),
-                             "--torch-adam", "yes"] + _schedule_args(schedule, args.steps)
+                             "--torch-adam", "yes"] + sched_targs
                     if replay:
                         targs += ["--replay-ranks", str(world)]
                     else:

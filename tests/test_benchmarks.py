@@ -405,6 +405,43 @@ def test_accuracy_resume_folder_from_before_the_deterministic_flag_is_the_same_r
         A._check_resume_folders(tmp_path, args)
 
 
+def test_accuracy_warmup_names_its_schedule_and_reaches_the_run(tmp_path):
+    """--warmup N: the cosine schedule's warm-up; another than the default (5% of the steps) names the rows'
+    schedule cosine-wN (groups of their own in the reports); a checkpoint folder from before the flag resumes."""
+    from benchmarks import accuracy as A
+
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    A.add_args(parser)
+    args = parser.parse_args(["--out", "o", "--steps", "500"])
+    assert A._schedule("cosine", args) == ("cosine", 25, ["--warmup", "25", "--min-lr-ratio", "0.1"])
+    assert A._schedule("constant", args)[:2] == ("constant", 0)
+    args.warmup = 100
+    assert A._schedule("cosine", args) == ("cosine-w100", 100, ["--warmup", "100", "--min-lr-ratio", "0.1"])
+    args.warmup = 25
+    assert A._schedule("cosine", args)[0] == "cosine"
+    old = {k: getattr(args, k) for k in A._RESUME_KEYS if k not in ("warmup", "deterministic")}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "parts.json").write_text(json.dumps({"args": old, "parts": []}))
+    args.warmup = None
+    A._check_resume_folders(tmp_path, args)
+    args.warmup = 100
+    with pytest.raises(SystemExit, match="holds a run of other arguments"):
+        A._check_resume_folders(tmp_path, args)
+    common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "zero3:replay",
+              "--seeds", "1", "--steps", "4", "--seq", "64", "--micro-batch", "2", "--eval-batches", "1"]
+    for bad in (["--warmup", "4", "--schedules", "cosine"], ["--warmup", "2", "--schedules", "constant"]):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks"] + common + bad + ["--out", str(tmp_path / "x")],
+                              cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
+        assert proc.returncode != 0 and "--warmup is the cosine schedule's" in proc.stderr, proc.stderr[-2000:]
+    _suite(common + ["--schedules", "cosine", "--warmup", "2", "--out", str(tmp_path / "w")], tmp_path)
+    (row,) = json.loads((tmp_path / "w" / "accuracy.json").read_text())
+    assert (row["schedule"], row["warmup"], row["status"]) == ("cosine-w2", 2, "ok")
+    assert "--warmup 2 --min-lr-ratio 0.1" in row["command"] and "cosine-w2" in row["row_id"]
+
+
 def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     """A run longer than one GPU call: --stop-after leaves a checkpoint, the same command goes on from it, and the
     finished row's losses are those of the run done in one go (the schedule is that of --steps throughout).
