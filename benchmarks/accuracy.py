@@ -96,13 +96,24 @@ def _schedule(schedule: str, args) -> Tuple[str, int, List[str]]:
 _RESUME_KEYS = ("model", "steps", "lr", "micro_batch", "seq", "eval_batches", "train_arg", "deterministic", "warmup")
 
 
+def _resume_key(args) -> dict:
+    """What a checkpoint folder records of the arguments: a run goes on only under the same (the warm-up as the
+    cosine schedule resolves it, so an explicit default is the run without the flag)."""
+    key = {k: getattr(args, k) for k in _RESUME_KEYS}
+    if key["warmup"] is None:
+        key["warmup"] = _default_warmup(args.steps)
+    return key
+
+
 def _check_resume_folders(root: Path, args) -> None:
     """Refuse, before any run starts, a checkpoint folder under ``root`` left by other arguments."""
-    mine = {k: getattr(args, k) for k in _RESUME_KEYS}
+    mine = _resume_key(args)
     for parts_file in sorted(root.glob("*/parts.json")) if root.is_dir() else []:
         old = json.loads(parts_file.read_text()).get("args")
-        if old is not None:
-            old = {"deterministic": False, "warmup": None, **old}   # folders from before the flags ran without them
+        if old is not None:   # folders from before the flags ran without them (the default warm-up)
+            old = {"deterministic": False, **old}
+            if old.get("warmup") is None:
+                old["warmup"] = _default_warmup(old["steps"])
         if old is not None and old != mine:
             raise SystemExit(f"accuracy: {parts_file.parent} holds a run of other arguments ({old}, now {mine}); "
                              f"remove it or use another --checkpoint-root")
@@ -123,8 +134,9 @@ def _resume_args(ckpt: Path, args, row: dict, stop_at: Optional[float]) -> List[
     ckpt.mkdir(parents=True, exist_ok=True)
     parts_file = ckpt / "parts.json"
     parts = json.loads(parts_file.read_text()) if parts_file.is_file() else {"args": None, "parts": []}
-    row["earlier_parts"] = [p["row_id"] for p in parts["parts"] if p.get("status") == "stopped"]
-    parts["args"] = {k: getattr(args, k) for k in _RESUME_KEYS}
+    # every earlier part, whatever its status (one killed or failed before this one was resumed is no run either)
+    row["earlier_parts"] = [p["row_id"] for p in parts["parts"]]
+    parts["args"] = _resume_key(args)
     parts["parts"].append({"row_id": row["row_id"], "commit": row["commit"], "command": None, "status": None})
     suite.write_json(parts_file, parts)
     out = ["--checkpoint-dir", str(ckpt)]
@@ -152,6 +164,13 @@ def run(args) -> int:
                          f"{args.stop_after}")
     if args.stop_margin < 0 or (args.stop_margin and not args.checkpoint_root):
         raise SystemExit(f"accuracy: --stop-margin must be >= 0 and needs --checkpoint-root, got {args.stop_margin}")
+    if args.warmup is not None and not (0 <= args.warmup < args.steps and "cosine" in args.schedules):
+        raise SystemExit(f"accuracy: --warmup is the cosine schedule's (pass --schedules cosine) and must be 0 .. "
+                         f"{args.steps - 1} (below --steps), got {args.warmup}")
+    clash = [a for a in args.train_arg if a.split("=")[0] in ("--warmup", "--min-lr-ratio")]
+    if clash:
+        raise SystemExit(f"accuracy: --train-arg {clash[0]} would override the schedule the rows name; use --warmup "
+                         f"(and --schedules) instead")
     if args.checkpoint_root:
         _check_resume_folders(Path(args.checkpoint_root), args)
     cpu = args.cpu or not suite.on_gpu()
@@ -176,9 +195,6 @@ def run(args) -> int:
     res_file = out / f"{run_id}.json"
     shape = suite.MODELS[args.model]
     done_replay = set()
-    if args.warmup is not None and not (0 <= args.warmup < args.steps and "cosine" in args.schedules):
-        raise SystemExit(f"accuracy: --warmup is the cosine schedule's (pass --schedules cosine) and must be 0 .. "
-                         f"{args.steps - 1} (below --steps), got {args.warmup}")
     for sched_arg in args.schedules:
         schedule, warmup, sched_targs = _schedule(sched_arg, args)
         for seed in args.seeds:
@@ -246,10 +262,12 @@ def run(args) -> int:
                     cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
                     row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
                     print(f"[accuracy] {name}", flush=True)
+                    started = time.time()
                     rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
                     row.update(rc=rc, wall_s=round(wall, 1))
                     losses, final = [], {}
-                    if log_json.is_file():
+                    # a part that died before writing its log leaves the previous part's: not this part's steps
+                    if log_json.is_file() and log_json.stat().st_mtime >= started - 1.0:   # (coarse mtimes)
                         log = json.loads(log_json.read_text())
                         steps = log.get("steps", [])
                         final = log.get("final") or {}

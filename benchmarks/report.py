@@ -481,10 +481,10 @@ def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
 def _runs_with_losses(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int) -> List[dict]:
     """Rows that are a run with at least ``min_steps`` per-step losses: finished, killed before their last step
     (timeout, failure), or the last part of a chain of ``--stop-after`` / ``--stop-margin`` parts that never
-    finished (a part that a later part lists in ``earlier_parts`` is not a run of its own)."""
+    finished (a part that a later part lists in ``earlier_parts``, stopped, killed or failed, is not a run of its
+    own: the later part's losses hold its steps)."""
     later = {rid for r in rows for rid in (r.get("earlier_parts") or ())}
-    return [r for r in rows if len(losses.get(r.get("row_id"), ())) >= min_steps
-            and not (r.get("status") == "stopped" and r["row_id"] in later)]
+    return [r for r in rows if len(losses.get(r.get("row_id"), ())) >= min_steps and r["row_id"] not in later]
 
 
 def _finished_first(rs: Sequence[dict]) -> List[dict]:
@@ -545,7 +545,8 @@ def cut_short(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: i
             if {r["seed"] for r in d_rs} == set(seeds):
                 dg = gaps_at(d_rs, zs, seeds, lo, n)
                 dflt = (f"; the default config over the same seeds and steps: {_mean([g for _, g in dg]):+.2f}% ("
-                        + ", ".join(f"s{s}: {g:+.2f}%" for s, g in dg) + ")")
+                        + ", ".join(f"s{s}: {g:+.2f}%" for s, g in dg) + "; "
+                        + ", ".join(sorted({f"{r.get('machine')} {r.get('commit')}" for r in d_rs})) + ")")
         out.append(f"- {model}{' deterministic' if det else ''}, {ranks} ranks, {sched} lr, {key[-2]} {key[-1]}, at "
                    f"step {n} ({what}; cut short: {cut}), steps {lo + 1}-{n}: {mean:+.2f}%{se} ("
                    + ", ".join(f"s{s}: {g:+.2f}%" for s, g in gaps) + "; "
@@ -591,8 +592,9 @@ def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
 def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:
     """The replay reference against a real multi-rank ZeRO-3 run of the same seed, schedule and steps: per-step
     loss difference over the steps both logged (either may have stopped early).  Empty without such a pair."""
-    real = [r for r in rows if r.get("variant") == "zero3" and r.get("row_id") in losses]
-    rep = [r for r in rows if r.get("variant") == "zero3:replay" and r.get("row_id") in losses]
+    runs = _runs_with_losses(rows, losses, 1)
+    real = [r for r in runs if r.get("variant") == "zero3"]
+    rep = [r for r in runs if r.get("variant") == "zero3:replay"]
     out = []
     for a in real:
         for b in rep:
@@ -1062,29 +1064,39 @@ def _log_ratio_verdict(st: dict, label: str) -> Tuple[str, str]:
 
 
 def pool_paired(stats: Sequence[dict]) -> dict:
-    """Paired runs of one cell taken together: the inverse-variance weighted mean of their mean log ratios, and its
-    standard error: the larger of the runs' own SEs combined and the spread of the run means between processes
-    (SD / sqrt(runs), from two runs on: a process carries an offset between its two engines that its own steps do
-    not see, up to ~5% for the same code in the fourteenth session's runs); ``n`` their steps.  Every SE must be
+    """Paired runs of one cell taken together, as random effects: a process may carry an offset between its two
+    engines that its own steps do not see (the same code measured 5.5% apart in one 1.3B process on an H100), so
+    the between-process variance tau^2 is estimated from the runs' spread (DerSimonian-Laird: from Cochran's Q over
+    the inverse-variance weights; 0 where the runs agree within their own SEs) and every run weighs 1 / (SE^2 +
+    tau^2).  The SE is that pool's, and at least the plain spread of the run means (SD / sqrt(runs)), which few
+    runs can estimate only roughly: :data:`PAIRED_MIN_RUNS` per build order.  ``n``: their steps.  Every SE must be
     > 0 (:func:`pool_build_orders` leaves runs without a spread out)."""
-    w = [1 / st["log_ratio_se"] ** 2 for st in stats]
-    mean = sum(wi * st["log_ratio_mean"] for wi, st in zip(w, stats)) / sum(w)
+    y = [st["log_ratio_mean"] for st in stats]
+    v = [st["log_ratio_se"] ** 2 for st in stats]
+    w = [1 / vi for vi in v]
+    fixed = sum(wi * yi for wi, yi in zip(w, y)) / sum(w)
+    q = sum(wi * (yi - fixed) ** 2 for wi, yi in zip(w, y))
+    tau2 = max(0.0, (q - (len(y) - 1)) / (sum(w) - sum(wi * wi for wi in w) / sum(w))) if len(y) > 1 else 0.0
+    w = [1 / (vi + tau2) for vi in v]
+    mean = sum(wi * yi for wi, yi in zip(w, y)) / sum(w)
     se = math.sqrt(1 / sum(w))
-    if len(stats) > 1:
-        se = max(se, statistics.stdev(st["log_ratio_mean"] for st in stats) / math.sqrt(len(stats)))
-    return {"n": sum(st["n"] for st in stats), "log_ratio_mean": mean, "log_ratio_se": se, "runs": len(stats)}
+    if len(y) > 1:
+        se = max(se, statistics.stdev(y) / math.sqrt(len(y)))
+    return {"n": sum(st["n"] for st in stats), "log_ratio_mean": mean, "log_ratio_se": se, "runs": len(stats),
+            "tau": math.sqrt(tau2)}
 
 
-PAIRED_MIN_RUNS = 2   # per build order: the spread between processes needs two
+PAIRED_MIN_RUNS = 3   # per build order: the spread between processes, from fewer, says too little
 
 
 def pool_build_orders(rows: Sequence[dict]) -> Tuple[Optional[dict], str]:
     """One cell's paired SDP4Bit rows on one machine kind: the runs with SDP4Bit's engine built first and those with
     it built second (:func:`e2e.paired_built`) each pooled (:func:`pool_paired`), the two orders weighted equally
     (mean of the two means; SE the root of the sum of their squared SEs, halved).  The engine a process builds
-    second measured slower in the 1.3B world-1 runs (``one_gpu/README.md``), an effect of unknown size elsewhere, so
-    only both orders together estimate SDP4Bit's own cost: ``(None, why)`` where one order is missing; runs of
-    unknown order, without a spread (SE 0) or of too few (or an odd number of) steps are left out."""
+    second measured slower in the 1.3B world-1 runs on H200 and the 406M on H100, not the 1.3B on H100
+    (``one_gpu/README.md``), so only both orders together estimate SDP4Bit's own cost: ``(None, why)`` where one
+    order is missing or has fewer than :data:`PAIRED_MIN_RUNS` runs; runs of unknown order, without a spread (SE 0)
+    or of too few (or an odd number of) steps are left out."""
     by: Dict[Optional[str], List[dict]] = {}
     for r in rows:
         st = r.get("paired") or {}
@@ -1101,9 +1113,11 @@ def pool_build_orders(rows: Sequence[dict]) -> Tuple[Optional[dict], str]:
     if len(pooled) < 2:
         return None, (f"{said or 'no paired run of known build order'}{unknown}: one build order only (the engine a "
                       f"process builds second can be the slower one: runs with the other order needed)")
-    if min(st["runs"] for st in pooled.values()) < PAIRED_MIN_RUNS:
-        return None, (f"{said}{unknown}: fewer than {PAIRED_MIN_RUNS} runs of a build order (one process's offset "
-                      f"between its engines is not seen by its own steps: runs needed to measure their spread)")
+    short = [k for k, st in sorted(pooled.items()) if st["runs"] < PAIRED_MIN_RUNS]
+    if short:
+        return None, (f"{said}{unknown}: fewer than {PAIRED_MIN_RUNS} runs with SDP4Bit's engine built "
+                      f"{' and '.join(short)} (a process may carry an offset between its engines that its own steps "
+                      f"do not see: runs needed to measure their spread)")
     f, s = pooled["first"], pooled["second"]
     st = {"n": f["n"] + s["n"], "runs": f["runs"] + s["runs"],
           "log_ratio_mean": (f["log_ratio_mean"] + s["log_ratio_mean"]) / 2,
@@ -1118,7 +1132,7 @@ def _same_code_goal(cands: Sequence[dict], rows: Sequence[dict], today: Dict[str
     are judged by their step-by-step ratios instead (:func:`_paired_verdict`); where a (model, topology) has them,
     they decide it: its rows timed in separate processes are listed as superseded, and its paired runs on one
     machine kind are pooled over the two build orders (:func:`pool_build_orders`), the pool giving that machine's
-    verdict (not resolved while one order is missing)."""
+    verdict (not resolved while an order is missing or has too few runs)."""
     parts, verdicts = [], []
     pairs = [(r, b) for r, b in ((r, _same_run(r, rows, "zero3")) for r in cands) if b]
     is_paired = [bool(r.get("paired") and r.get("paired_with") == b.get("row_id")) for r, b in pairs]
@@ -1288,8 +1302,8 @@ GOALS_NOTE = ("Generated by `python -m benchmarks report` from the same rows (do
               "resolved`: the runs cannot tell the result from the goal (for the loss, mean +- 2 standard errors "
               "over seeds straddles it; at world size 1, the steps' own min-max spread does, or for paired runs "
               "(`e2e --paired`, which decide their cell) the mean log step ratio +- 2 standard errors, "
-              "pooled over a machine's runs with the two build orders weighted equally, one order alone "
-              "resolving nothing). °: the run did not "
+              "pooled over a machine's runs as random effects, the two build orders weighted equally, and not "
+              "resolved with fewer than 3 runs of either order). °: the run did not "
               "run today's default (another default then, or before a fix that changes results; the headline's "
               "`config run` column says how); ?: not known.\n\n")
 

@@ -190,11 +190,12 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
         st = dict(d["paired"], log_ratio_mean=mean, log_ratio_se=se, n=n)
         assert report._paired_verdict(dict(d, paired=st))[1] == want
     # a cell's paired runs on one machine pool over the two build orders, weighted equally (each alone here: +1.2%
-    # at 2 SE, not resolved; pooled, two runs per order: met), and its runs in separate processes are listed as
+    # at 2 SE, not resolved; pooled, three runs per order: met), and its runs in separate processes are listed as
     # superseded (this one, 2x slower, would be "not met")
     zr = by[("1x1", "zero3")]
     cell = []
-    for run, order in (("p1", "first"), ("p2", "second"), ("p3", "first"), ("p4", "second")):
+    for run, order in (("p1", "first"), ("p2", "second"), ("p3", "first"), ("p4", "second"), ("p5", "first"),
+                       ("p6", "second")):
         st = dict(d["paired"], n=10, log_ratio_mean=0.0, log_ratio_se=0.006, built=order)
         cell += [dict(d, model="406M", run_id=run, row_id=f"{run}/d", paired_with=f"{run}/z", paired=st),
                  dict(zr, model="406M", run_id=run, row_id=f"{run}/z", paired_with=f"{run}/d")]
@@ -202,23 +203,23 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
              if k not in ("paired", "paired_with")} for r in (d, zr)]
     solo[0].update(ms_per_step=200.0, ms_min=190.0, ms_max=210.0)
     solo[1].update(ms_per_step=100.0, ms_min=95.0, ms_max=105.0, timed_steps=solo[0]["timed_steps"])
-    assert [report._paired_verdict(r)[1] for r in cell[::2]] == ["not resolved"] * 4
+    assert [report._paired_verdict(r)[1] for r in cell[::2]] == ["not resolved"] * 6
     m, v = report._same_code_goal(cell[::2] + [solo[0]], cell + solo, today)
-    assert v == "met" and "4 paired runs, both build orders weighted equally" in m and "): +0.00% (" in m
+    assert v == "met" and "6 paired runs, both build orders weighted equally" in m and "): +0.00% (" in m
     assert "+100.00%: superseded by the paired runs of this cell" in m
-    # one run of an order is not enough: a process's offset between its engines is invisible to its own steps
-    m, v = report._same_code_goal([cell[0], cell[2]], cell[:4], today)
-    assert v == "not resolved" and "fewer than 2 runs of a build order" in m
+    # two runs of an order are not enough: a process's offset between its engines is invisible to its own steps
+    m, v = report._same_code_goal(cell[:8:2], cell[:8], today)
+    assert v == "not resolved" and "fewer than 3 runs with SDP4Bit's engine built first and second" in m
     # the two orders weigh equally however many runs each has: a build-order effect of +-1% cancels
     first, second = (dict(cell[0], paired=dict(cell[0]["paired"], log_ratio_mean=-0.01)),
                      dict(cell[2], paired=dict(cell[2]["paired"], log_ratio_mean=0.01)))
-    st2 = report.pool_build_orders([first] * 2 + [second] * 3)[0]
-    assert st2["log_ratio_mean"] == pytest.approx(0.0) and st2["runs"] == 5 and st2["n"] == 50
-    assert st2["log_ratio_se"] == pytest.approx(math.sqrt(0.006 ** 2 / 2 + 0.006 ** 2 / 3) / 2)
+    st2 = report.pool_build_orders([first] * 3 + [second] * 4)[0]
+    assert st2["log_ratio_mean"] == pytest.approx(0.0) and st2["runs"] == 7 and st2["n"] == 70
+    assert st2["log_ratio_se"] == pytest.approx(math.sqrt(0.006 ** 2 / 3 + 0.006 ** 2 / 4) / 2)
     # runs of one order that disagree more than their own SEs allow: the spread between them sets the SE
-    apart = [dict(first, paired=dict(first["paired"], log_ratio_mean=x)) for x in (-0.05, 0.05)]
-    st3 = report.pool_build_orders(apart + [second] * 2)[0]
-    assert st3["log_ratio_se"] == pytest.approx(math.sqrt(0.05 ** 2 + 0.006 ** 2 / 2) / 2)
+    apart = [dict(first, paired=dict(first["paired"], log_ratio_mean=x)) for x in (-0.05, 0.0, 0.05)]
+    st3 = report.pool_build_orders(apart + [second] * 3)[0]
+    assert st3["log_ratio_se"] == pytest.approx(math.sqrt(0.05 ** 2 / 3 + 0.006 ** 2 / 3) / 2)
     # an order of too few steps, or a run without a spread (SE 0), decides nothing
     left = "1 run(s) without a spread or of fewer than 10 (or an odd number of) steps left out"
     for bad in ({"n": 4}, {"n": 11}, {"log_ratio_se": 0.0}):
@@ -227,20 +228,24 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
     # a short run beside long ones of its order is left out, not pooled (it would weigh in through its tiny SE)
     st1 = report.pool_build_orders([dict(cell[0], paired=dict(cell[0]["paired"], n=4, log_ratio_se=1e-6,
                                                                 log_ratio_mean=0.5))] + cell[::2])[0]
-    assert st1["runs"] == 4 and st1["log_ratio_mean"] == pytest.approx(0.0)
+    assert st1["runs"] == 6 and st1["log_ratio_mean"] == pytest.approx(0.0)
     # both runs with SDP4Bit's engine built second: however many, not resolved
     same = [dict(r, paired=dict(r["paired"], built="second")) if r.get("config") == d["config"] else r for r in cell]
     m, v = report._same_code_goal(same[::2], same, today)
-    assert v == "not resolved" and "one build order only" in m and "(4 run(s), 40 steps)" in m
+    assert v == "not resolved" and "one build order only" in m and "(6 run(s), 60 steps)" in m
     assert report._same_code_goal([solo[0]], solo, today)[1] == "not met"   # without the paired runs
-    pooled = report.pool_paired([{"n": 10, "log_ratio_mean": 0.01, "log_ratio_se": 0.01},
-                                 {"n": 20, "log_ratio_mean": 0.04, "log_ratio_se": 0.02}])
-    assert pooled["n"] == 30 and pooled["log_ratio_mean"] == pytest.approx((0.01 / 1e-4 + 0.04 / 4e-4) / (1e4 + 2.5e3))
-    # the two means lie 0.03 apart: their spread (0.03 / sqrt 2 / sqrt 2) outweighs the steps' own SE
-    assert pooled["log_ratio_se"] == pytest.approx(0.015) and 0.015 > (1e4 + 2.5e3) ** -0.5
+    # random effects: runs that agree within their own SEs pool as fixed effects (tau 0) ...
     close = report.pool_paired([{"n": 10, "log_ratio_mean": 0.01, "log_ratio_se": 0.01},
                                 {"n": 20, "log_ratio_mean": 0.011, "log_ratio_se": 0.02}])
-    assert close["log_ratio_se"] == pytest.approx((1e4 + 2.5e3) ** -0.5)
+    assert close["tau"] == 0 and close["log_ratio_se"] == pytest.approx((1e4 + 2.5e3) ** -0.5)
+    assert close["log_ratio_mean"] == pytest.approx((0.01 / 1e-4 + 0.011 / 4e-4) / (1e4 + 2.5e3))
+    # ... runs 0.03 apart get tau^2 = (Q - 1) / (sum w - sum w^2 / sum w) = 0.8 / 4000 and weights 1 / (se^2 + tau^2)
+    pooled = report.pool_paired([{"n": 10, "log_ratio_mean": 0.01, "log_ratio_se": 0.01},
+                                 {"n": 20, "log_ratio_mean": 0.04, "log_ratio_se": 0.02}])
+    assert pooled["n"] == 30 and pooled["tau"] == pytest.approx(math.sqrt(2e-4))
+    assert pooled["log_ratio_mean"] == pytest.approx((0.01 / 3e-4 + 0.04 / 6e-4) / (1 / 3e-4 + 1 / 6e-4))
+    # and the SE is at least the plain spread of the means, 0.03 / sqrt 2 / sqrt 2 (the pool's own: 0.0141)
+    assert pooled["log_ratio_se"] == pytest.approx(0.015)
     # train_gpt.py refuses what two engines in one process cannot give
     train = [sys.executable, str(suite.TRAIN), "--ds-config", "configs/zero3.json", "--paired-ds-config",
              "configs/sdp4bit.json"]
@@ -426,16 +431,22 @@ def test_accuracy_warmup_names_its_schedule_and_reaches_the_run(tmp_path):
     (tmp_path / "run" / "parts.json").write_text(json.dumps({"args": old, "parts": []}))
     args.warmup = None
     A._check_resume_folders(tmp_path, args)
+    args.warmup = 25   # the default named explicitly is the same run
+    A._check_resume_folders(tmp_path, args)
     args.warmup = 100
     with pytest.raises(SystemExit, match="holds a run of other arguments"):
         A._check_resume_folders(tmp_path, args)
     common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "zero3:replay",
               "--seeds", "1", "--steps", "4", "--seq", "64", "--micro-batch", "2", "--eval-batches", "1"]
-    for bad in (["--warmup", "4", "--schedules", "cosine"], ["--warmup", "2", "--schedules", "constant"]):
+    for bad, msg in ((["--warmup", "4", "--schedules", "cosine"], "--warmup is the cosine schedule's"),
+                     (["--warmup", "2", "--schedules", "constant"], "--warmup is the cosine schedule's"),
+                     (["--train-arg=--warmup=3", "--schedules", "cosine"], "would override the schedule"),
+                     (["--train-arg=--min-lr-ratio", "--train-arg=1"], "would override the schedule")):
         proc = subprocess.run([sys.executable, "-m", "benchmarks"] + common + bad + ["--out", str(tmp_path / "x")],
                               cwd=REPO, capture_output=True, text=True,
                               env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
-        assert proc.returncode != 0 and "--warmup is the cosine schedule's" in proc.stderr, proc.stderr[-2000:]
+        assert proc.returncode != 0 and msg in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "x").exists()   # refused before anything was written
     _suite(common + ["--schedules", "cosine", "--warmup", "2", "--out", str(tmp_path / "w")], tmp_path)
     (row,) = json.loads((tmp_path / "w" / "accuracy.json").read_text())
     assert (row["schedule"], row["warmup"], row["status"]) == ("cosine-w2", 2, "ok")
@@ -790,6 +801,12 @@ def test_replay_check_reports_per_step_agreement():
     assert "3 common steps" in text and "largest per-step difference 10.00%" in text
     assert "within 0.1% up to step 2 (step 3: 10.00%)" in text
     assert report.replay_check([rep], {"b/rep": [1.0]}) == ""
+    # a part of the replay's chain, continued later, is no run of its own: one line, not two
+    part = dict(rep, row_id="b/part", status="stopped", steps_done=2)
+    later = dict(rep, earlier_parts=["b/part"])
+    text = report.replay_check([real, part, later], {"a/real": [5.0, 4.0, 3.3], "b/part": [5.0, 4.002],
+                                                     "b/rep": [5.0, 4.002, 3.0, 2.9]})
+    assert text.count("\n- ") == 1 and "3 common steps" in text
 
 
 def test_collectives_question_runs_on_cpu(tmp_path):
@@ -1111,7 +1128,7 @@ def test_cut_short_runs_are_compared_at_the_last_step_all_reached():
     cl[cos[2]["row_id"]] = [2.0] * 100 + [2.02] * 50 + [2.0] * 350
     text = report.cut_short(cos, cl)
     assert "the first 150 steps of the 500-step schedule" in text
-    assert "; the default config over the same seeds and steps: +1.00% (s1: +1.00%)" in text
+    assert "; the default config over the same seeds and steps: +1.00% (s1: +1.00%; m c)" in text
     assert report.cut_short(cos, {r["row_id"]: [2.0] * 99 for r in cos}) == ""
     assert report.cut_short(cos[1:], {k: v for k, v in cl.items() if k != cos[0]["row_id"]}) == ""
     # a cut seed without ZeRO-3 beside finished ones: the seeds compared are all finished, so nothing (the main
@@ -1119,10 +1136,15 @@ def test_cut_short_runs_are_compared_at_the_last_step_all_reached():
     both = [row("zero3:replay", "4r", 1, "ok", 500), row("sdp4bit", "2x2", 1, "ok", 500),
             row("sdp4bit", "2x2", 2, "timeout", 300)]
     assert report.cut_short(both, {r["row_id"]: [2.0] * r["steps_done"] for r in both}) == ""
-    # the last part of a chain that never finished counts as a run cut short
-    chain = [row("zero3:replay", "4r", 1, "ok", 500), row("sdp4bit", "2x2", 1, "stopped", 200)]
-    assert "sdp4bit s1 stopped after 200" in report.cut_short(chain, {r["row_id"]: [2.0] * r["steps_done"]
-                                                                      for r in chain})
+    # the last part of a chain that never finished counts as a run cut short; its earlier parts, stopped or
+    # killed (a timeout in the middle of the chain, resumed after), are in its losses and no runs of their own
+    chain = [row("zero3:replay", "4r", 1, "ok", 500), row("sdp4bit", "2x2", 1, "stopped", 100, row_id="c/1"),
+             row("sdp4bit", "2x2", 1, "timeout", 150, row_id="c/2"),
+             dict(row("sdp4bit", "2x2", 1, "stopped", 200, row_id="c/3"), earlier_parts=["c/1", "c/2"])]
+    text = report.cut_short(chain, {r["row_id"]: [2.0] * r["steps_done"] for r in chain})
+    assert "cut short: sdp4bit s1 stopped after 200)" in text and "after 150" not in text, text
+    rep = report.repeat_check(chain, {r["row_id"]: [2.0] * r["steps_done"] for r in chain})
+    assert rep == ""   # the parts of one chain are not repeats of each other
 
 
 def test_repeat_check_compares_repeats_of_one_run_step_by_step():

@@ -13,7 +13,7 @@
 # At 89e158b / ff69b1d (2 x H100) three 86M runs side by side on one GPU took ~1 s per step (0.8 s two by two; the
 # gradient-only TLq / TLq-HS 2-3.3 s, as ZeRO-3's weight gathers cross the sockets), so a 500-step run does not fit one
 # call: const's six runs were cut at steps 325-350, TLq / TLq-HS at 275 / 150.  Since then every accuracy run stops
-# with a checkpoint in /tmp/acc_ckpt (/tmp/acc_ckpt_det with DET=1) 45 s before the call's deadline, and the SAME
+# with a checkpoint in /tmp/acc_ckpt (+ _det with DET=1, _wN with WARMUP=N) 45 s before the call's deadline, and the SAME
 # command sent again at once (the machine is kept only ~30 s after a call; a fresh one starts bare and the runs from
 # step 0) goes on from there; finished runs are skipped.  A chain never continued still leaves its steps so far
 # (the stopped part's losses; the report's "Runs cut short").
@@ -32,7 +32,7 @@ G=$(nvidia-smi -L | wc -l); last=$((G - 1)); [ $last -gt 1 ] && last=1
 python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; echo "built at $SECONDS s"
 acc() {  # GPU OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
   local g=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu ${DET:+--deterministic} "$@" --checkpoint-root /tmp/acc_ckpt${DET:+_det} --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
+  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu ${DET:+--deterministic} "$@" --checkpoint-root /tmp/acc_ckpt${DET:+_det}${WARMUP:+_w$WARMUP} --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
 }
 case "$3" in
 const)
@@ -41,7 +41,8 @@ const)
     acc $g c_2x2_s$s --topologies 2x2 --configs sdp4bit --seeds $s --schedules constant
     acc $g c_4x1_s$s --topologies 4x1 --configs sdp4bit --seeds $s --schedules constant; done
   wait; grep -h "\[accuracy\].*: " $OUT/c_*.log ;;
-set)   # SEEDS="..." SCHED=constant|cosine [WARMUP=N] [DET=1]: per seed the replay, SDP4Bit 2x2 and 4x1; the k-th seed of
+set)   [ -n "$WARMUP" ] && [ "${SCHED:-}" != cosine ] && { echo "WARMUP needs SCHED=cosine" >&2; exit 2; }
+       # SEEDS="..." SCHED=constant|cosine [WARMUP=N] [DET=1]: per seed the replay, SDP4Bit 2x2 and 4x1; the k-th seed of
        # the list on GPU k mod 2 (GPU 0 only where one is visible)
   i=0; for s in ${SEEDS:?set SEEDS}; do g=$(( i % (last + 1) )); i=$((i + 1))
     for v in "2x2 zero3:replay" "2x2 sdp4bit" "4x1 sdp4bit"; do set -- $v
