@@ -22,10 +22,11 @@ be killed (its ``--timeout``, or the call's ``--deadline`` less 15 s; S covers t
 the same command, sent again each call, trains for as long as each call has (a run takes all the time left, so
 give each config its own process, side by side; the next runs of one process find the deadline reached).  A run
 already finished in its folder is skipped.  The finished run's row has every step's loss, ``resumed_at_step``, and
-``earlier_parts`` (the row ids of the stopped parts; their commands are in their run files and in
+``earlier_parts`` (the row ids of every earlier part; their commands are in their run files and in
 DIR/<run name>/parts.json); ``ms_per_step`` is the median over every part's steps.
 The per-step losses go to ``--steps-file`` (default OUT/accuracy_steps.json, {row_id: [loss, ...]}), a stopped
-part's too (its steps so far; the report uses the last part of a chain that never finished as a run cut short).
+part's too (its steps so far; the report counts a chain that never finished once, as a run cut short, by its part
+with the most steps).
 """
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ def _finished_part(ckpt: Path) -> Optional[str]:
     parts_file = ckpt / "parts.json"
     if not parts_file.is_file():
         return None
-    done = [p["row_id"] for p in json.loads(parts_file.read_text())["parts"] if p.get("status") == "ok"]
+    # a part killed in its teardown after its last step and final evaluation finished the run too (the report's
+    # suite.finished_training; parts recorded before their steps were kept count by status only)
+    done = [p["row_id"] for p in json.loads(parts_file.read_text())["parts"] if suite.finished_training(p)]
     return done[-1] if done else None
 
 
@@ -149,10 +152,20 @@ def _resume_args(ckpt: Path, args, row: dict, stop_at: Optional[float]) -> List[
     return out
 
 
+def _log_stamp(path: Path) -> Optional[Tuple[int, int]]:
+    """(inode, mtime in ns) of a run's JSON log, None without one: train_gpt.py replaces the file on every write
+    (a new inode), so a stamp unchanged across a part means that part wrote nothing (no clock involved)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def _record_part(ckpt: Path, row: dict) -> None:
     parts_file = ckpt / "parts.json"
     parts = json.loads(parts_file.read_text())
-    parts["parts"][-1].update(command=row.get("command"), status=row.get("status"))
+    parts["parts"][-1].update({k: row.get(k) for k in ("command", "status", "steps", "steps_done", "heldout_loss")})
     suite.write_json(parts_file, parts)
 
 
@@ -167,7 +180,8 @@ def run(args) -> int:
     if args.warmup is not None and not (0 <= args.warmup < args.steps and "cosine" in args.schedules):
         raise SystemExit(f"accuracy: --warmup is the cosine schedule's (pass --schedules cosine) and must be 0 .. "
                          f"{args.steps - 1} (below --steps), got {args.warmup}")
-    clash = [a for a in args.train_arg if a.split("=")[0] in ("--warmup", "--min-lr-ratio")]
+    clash = [a for a in args.train_arg if a.startswith("--") and len(a.split("=")[0]) > 2
+             and any(full.startswith(a.split("=")[0]) for full in ("--warmup", "--min-lr-ratio"))]   # argparse prefixes
     if clash:
         raise SystemExit(f"accuracy: --train-arg {clash[0]} would override the schedule the rows name; use --warmup "
                          f"(and --schedules) instead")
@@ -262,12 +276,12 @@ def run(args) -> int:
                     cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
                     row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
                     print(f"[accuracy] {name}", flush=True)
-                    started = time.time()
+                    before = _log_stamp(log_json)
                     rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
                     row.update(rc=rc, wall_s=round(wall, 1))
                     losses, final = [], {}
                     # a part that died before writing its log leaves the previous part's: not this part's steps
-                    if log_json.is_file() and log_json.stat().st_mtime >= started - 1.0:   # (coarse mtimes)
+                    if _log_stamp(log_json) not in (None, before):
                         log = json.loads(log_json.read_text())
                         steps = log.get("steps", [])
                         final = log.get("final") or {}

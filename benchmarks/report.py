@@ -479,12 +479,22 @@ def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
 
 
 def _runs_with_losses(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int) -> List[dict]:
-    """Rows that are a run with at least ``min_steps`` per-step losses: finished, killed before their last step
-    (timeout, failure), or the last part of a chain of ``--stop-after`` / ``--stop-margin`` parts that never
-    finished (a part that a later part lists in ``earlier_parts``, stopped, killed or failed, is not a run of its
-    own: the later part's losses hold its steps)."""
+    """Rows that are a run with at least ``min_steps`` per-step losses, one per run: a row and the earlier parts it
+    lists (``earlier_parts``: parts of one run split over calls by ``--stop-after`` / ``--stop-margin``, whatever
+    their status) are one run, counted once, by its finished row where it has one, else by the part with the most
+    steps (the latest of equals): a part that died before its log lost nothing of what an earlier one holds."""
+    by_id = {r.get("row_id"): r for r in rows}
     later = {rid for r in rows for rid in (r.get("earlier_parts") or ())}
-    return [r for r in rows if len(losses.get(r.get("row_id"), ())) >= min_steps and r["row_id"] not in later]
+    out = []
+    for head in rows:
+        if head.get("row_id") in later:
+            continue   # a part of a later row's run
+        chain = [by_id[rid] for rid in (head.get("earlier_parts") or ()) if rid in by_id] + [head]
+        done = [r for r in chain if suite.finished_training(r)]
+        best = done[-1] if done else max(reversed(chain), key=lambda r: len(losses.get(r.get("row_id"), ())))
+        if len(losses.get(best.get("row_id"), ())) >= min_steps:
+            out.append(best)
+    return out
 
 
 def _finished_first(rs: Sequence[dict]) -> List[dict]:
@@ -1076,7 +1086,9 @@ def pool_paired(stats: Sequence[dict]) -> dict:
     w = [1 / vi for vi in v]
     fixed = sum(wi * yi for wi, yi in zip(w, y)) / sum(w)
     q = sum(wi * (yi - fixed) ** 2 for wi, yi in zip(w, y))
-    tau2 = max(0.0, (q - (len(y) - 1)) / (sum(w) - sum(wi * wi for wi in w) / sum(w))) if len(y) > 1 else 0.0
+    # sum(w) - sum(w^2) / sum(w), as a sum of positive terms (no cancellation when the weights differ by far)
+    denom = 2 * sum(w[i] * w[j] for i in range(len(w)) for j in range(i + 1, len(w))) / sum(w)
+    tau2 = max(0.0, (q - (len(y) - 1)) / denom) if len(y) > 1 and denom > 0 else 0.0
     w = [1 / (vi + tau2) for vi in v]
     mean = sum(wi * yi for wi, yi in zip(w, y)) / sum(w)
     se = math.sqrt(1 / sum(w))

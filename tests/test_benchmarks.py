@@ -235,6 +235,11 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
     assert v == "not resolved" and "one build order only" in m and "(6 run(s), 60 steps)" in m
     assert report._same_code_goal([solo[0]], solo, today)[1] == "not met"   # without the paired runs
     # random effects: runs that agree within their own SEs pool as fixed effects (tau 0) ...
+    # weights 1e20 apart: no cancellation in tau^2's denominator, no division by zero
+    far = report.pool_paired([{"n": 10, "log_ratio_mean": 0.05, "log_ratio_se": 0.01},
+                              {"n": 10, "log_ratio_mean": 0.0, "log_ratio_se": 1e-12},
+                              {"n": 10, "log_ratio_mean": 0.05, "log_ratio_se": 0.01}])
+    assert math.isfinite(far["log_ratio_mean"]) and math.isfinite(far["log_ratio_se"]) and far["tau"] > 0
     close = report.pool_paired([{"n": 10, "log_ratio_mean": 0.01, "log_ratio_se": 0.01},
                                 {"n": 20, "log_ratio_mean": 0.011, "log_ratio_se": 0.02}])
     assert close["tau"] == 0 and close["log_ratio_se"] == pytest.approx((1e4 + 2.5e3) ** -0.5)
@@ -441,12 +446,29 @@ def test_accuracy_warmup_names_its_schedule_and_reaches_the_run(tmp_path):
     for bad, msg in ((["--warmup", "4", "--schedules", "cosine"], "--warmup is the cosine schedule's"),
                      (["--warmup", "2", "--schedules", "constant"], "--warmup is the cosine schedule's"),
                      (["--train-arg=--warmup=3", "--schedules", "cosine"], "would override the schedule"),
-                     (["--train-arg=--min-lr-ratio", "--train-arg=1"], "would override the schedule")):
+                     (["--train-arg=--min-lr-ratio", "--train-arg=1"], "would override the schedule"),
+                     (["--train-arg=--warm=3", "--schedules", "cosine"], "would override the schedule")):
         proc = subprocess.run([sys.executable, "-m", "benchmarks"] + common + bad + ["--out", str(tmp_path / "x")],
                               cwd=REPO, capture_output=True, text=True,
                               env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
         assert proc.returncode != 0 and msg in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "x").exists()   # refused before anything was written
+    # a run's log counts as this part's only if the part replaced it (a new inode), whatever the clock says
+    log = tmp_path / "log.json"
+    assert A._log_stamp(log) is None
+    suite.write_json(log, {"steps": []})
+    before = A._log_stamp(log)
+    os.utime(log, (0, 0))   # an old mtime does not matter, an unchanged file does
+    assert A._log_stamp(log)[0] == before[0]
+    suite.write_json(log, {"steps": [1]})
+    assert A._log_stamp(log) not in (None, before)
+    # a part killed in its teardown after its last step and final evaluation finished its run: not run again
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "parts.json").write_text(json.dumps({"args": None, "parts": [
+        {"row_id": "a", "status": "stopped", "steps": 6, "steps_done": 3, "heldout_loss": None},
+        {"row_id": "b", "status": "timeout", "steps": 6, "steps_done": 6, "heldout_loss": 2.0}]}))
+    assert A._finished_part(ck) == "b"
     _suite(common + ["--schedules", "cosine", "--warmup", "2", "--out", str(tmp_path / "w")], tmp_path)
     (row,) = json.loads((tmp_path / "w" / "accuracy.json").read_text())
     assert (row["schedule"], row["warmup"], row["status"]) == ("cosine-w2", 2, "ok")
@@ -1145,6 +1167,14 @@ def test_cut_short_runs_are_compared_at_the_last_step_all_reached():
     assert "cut short: sdp4bit s1 stopped after 200)" in text and "after 150" not in text, text
     rep = report.repeat_check(chain, {r["row_id"]: [2.0] * r["steps_done"] for r in chain})
     assert rep == ""   # the parts of one chain are not repeats of each other
+    # a later part that died before writing its log (no losses) does not hide what an earlier part holds; nor does
+    # a resumed part that got less far than the one it continued
+    for last_n in (0, 120):
+        lost = chain[:2] + [dict(row("sdp4bit", "2x2", 1, "failed", last_n, row_id="c/4"), earlier_parts=["c/1"])]
+        ls = {r["row_id"]: [2.0] * r["steps_done"] for r in lost if r["steps_done"]}
+        lost[1]["steps_done"] = 300
+        ls["c/1"] = [2.0] * 300
+        assert "sdp4bit s1 stopped after 300" in report.cut_short(lost, ls), last_n
 
 
 def test_repeat_check_compares_repeats_of_one_run_step_by_step():

@@ -23,6 +23,7 @@
 # usage: bash THIS COMMIT BUDGET_S const|abl|w1b|set
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
+[ -n "$WARMUP" ] && [ "$3" != set ] && { echo "WARMUP is for the set mode" >&2; exit 2; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=$commit
 find /tmp/torch_extensions -name lock -delete 2>/dev/null
