@@ -97,13 +97,19 @@ def _schedule(schedule: str, args) -> Tuple[str, int, List[str]]:
 _RESUME_KEYS = ("model", "steps", "lr", "micro_batch", "seq", "eval_batches", "train_arg", "deterministic", "warmup")
 
 
-def _resume_key(args) -> dict:
-    """What a checkpoint folder records of the arguments: a run goes on only under the same (the warm-up as the
-    cosine schedule resolves it, so an explicit default is the run without the flag)."""
-    key = {k: getattr(args, k) for k in _RESUME_KEYS}
-    if key["warmup"] is None:
-        key["warmup"] = _default_warmup(args.steps)
+def _filled(key: dict) -> dict:
+    """A resume key with the values of flags it lacks or leaves open: ``deterministic`` off (folders from before
+    the flag ran without it) and the warm-up as the cosine schedule resolves it (an explicit default is the run
+    without the flag)."""
+    key = {"deterministic": False, **key}
+    if key.get("warmup") is None:
+        key["warmup"] = _default_warmup(key["steps"])
     return key
+
+
+def _resume_key(args) -> dict:
+    """What a checkpoint folder records of the arguments: a run goes on only under the same (:func:`_filled`)."""
+    return _filled({k: getattr(args, k) for k in _RESUME_KEYS})
 
 
 def _check_resume_folders(root: Path, args) -> None:
@@ -111,10 +117,7 @@ def _check_resume_folders(root: Path, args) -> None:
     mine = _resume_key(args)
     for parts_file in sorted(root.glob("*/parts.json")) if root.is_dir() else []:
         old = json.loads(parts_file.read_text()).get("args")
-        if old is not None:   # folders from before the flags ran without them (the default warm-up)
-            old = {"deterministic": False, **old}
-            if old.get("warmup") is None:
-                old["warmup"] = _default_warmup(old["steps"])
+        old = _filled(old) if old is not None else None
         if old is not None and old != mine:
             raise SystemExit(f"accuracy: {parts_file.parent} holds a run of other arguments ({old}, now {mine}); "
                              f"remove it or use another --checkpoint-root")

@@ -29,7 +29,6 @@ import math
 import re
 import shutil
 import subprocess
-import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -497,6 +496,13 @@ def _runs_with_losses(rows: Sequence[dict], losses: Dict[str, List[float]], min_
     return out
 
 
+def _run_setting(r: dict) -> tuple:
+    """What makes two accuracy runs runs of the same training, but for config, topology and seed: model, ranks,
+    schedule, steps, deterministic algorithms or not, lr, micro-batch, sequence length."""
+    return (r.get("model"), r.get("ranks"), r.get("schedule"), r.get("steps"), bool(r.get("deterministic")),
+            r.get("lr"), r.get("micro_batch"), r.get("seq"))
+
+
 def _finished_first(rs: Sequence[dict]) -> List[dict]:
     """Per seed, its finished runs where it has one, else all its runs (those cut short)."""
     done = {r["seed"] for r in rs if suite.finished_training(r)}
@@ -513,17 +519,13 @@ def cut_short(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: i
     that long (the yardstick for an ablation cut short).  Under a constant lr (no warm-up, no decay) a run cut at
     step n IS an n-step run, as the schedule does not depend on ``--steps``; under warm-up + cosine it is the first
     n steps of the longer schedule.  Empty without such a run."""
-    def keyf(r):
-        return (r.get("model"), r.get("ranks"), r.get("schedule"), r.get("steps"), bool(r.get("deterministic")),
-                r.get("lr"), r.get("micro_batch"), r.get("seq"))
-
     refs: Dict[tuple, List[dict]] = {}
     cfgs: Dict[tuple, List[dict]] = {}
     for r in _runs_with_losses(rows, losses, min_steps):
         if r.get("config") == "zero3" and r.get("variant") in ("zero3", "zero3:replay"):
-            refs.setdefault(keyf(r), []).append(r)
+            refs.setdefault(_run_setting(r), []).append(r)
         else:
-            cfgs.setdefault(keyf(r) + (r.get("variant"), r.get("topology")), []).append(r)
+            cfgs.setdefault(_run_setting(r) + (r.get("variant"), r.get("topology")), []).append(r)
 
     def gaps_at(rs, zs, seeds, lo, n):
         def span(group, seed):
@@ -541,7 +543,8 @@ def cut_short(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: i
         lo = max(0, n - tail)
         gaps = gaps_at(rs, zs, seeds, lo, n)
         mean = _mean([g for _, g in gaps])
-        se = (f", SE {statistics.stdev([g for _, g in gaps]) / math.sqrt(len(gaps)):.2f}" if len(gaps) > 1 else "")
+        se = suite.mean_se([g for _, g in gaps])[1]
+        se = f", SE {se:.2f}" if se is not None else ""
         model, ranks, sched, steps, det = key[:5]
         what = ("a complete run of that many steps under a constant lr" if sched == "constant"
                 else f"the first {n} steps of the {steps}-step schedule")
@@ -573,11 +576,10 @@ def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
     """Repeats of one run (same model, ranks, schedule, steps, lr, batch, variant, topology, seed, commit, machine
     and deterministic algorithms or not): per-step train loss of each against the first, over the steps all logged
     (finished runs and runs cut short alike: :func:`_runs_with_losses`).  Empty without a repeat."""
-    keys = ("model", "ranks", "schedule", "steps", "lr", "micro_batch", "seq", "variant", "topology", "seed",
-            "commit", "machine")
     groups: Dict[tuple, List[dict]] = {}
     for r in _runs_with_losses(rows, losses, min_steps):
-        groups.setdefault(tuple(r.get(k) for k in keys) + (bool(r.get("deterministic")),), []).append(r)
+        key = _run_setting(r) + tuple(r.get(k) for k in ("variant", "topology", "seed", "commit", "machine"))
+        groups.setdefault(key, []).append(r)
     out = []
     for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
         if len(rs) < 2:
@@ -586,7 +588,7 @@ def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
         curves = [losses[r["row_id"]] for r in rs]
         n = min(len(c) for c in curves)
         rel = [max(abs(c[i] / curves[0][i] - 1) for c in curves[1:]) for i in range(n)]
-        model, ranks, sched, steps, _, _, _, variant, topo, seed, commit, machine, det = key
+        (model, ranks, sched, steps, det, _, _, _), (variant, topo, seed, commit, machine) = key[:8], key[8:]
         said = ("identical at every step" if max(rel) == 0 else
                 f"largest per-step difference {100 * max(rel):.2f}% (step {rel.index(max(rel)) + 1}), at step {n} "
                 f"{100 * rel[-1]:.2f}%")
@@ -1092,8 +1094,9 @@ def pool_paired(stats: Sequence[dict]) -> dict:
     w = [1 / (vi + tau2) for vi in v]
     mean = sum(wi * yi for wi, yi in zip(w, y)) / sum(w)
     se = math.sqrt(1 / sum(w))
-    if len(y) > 1:
-        se = max(se, statistics.stdev(y) / math.sqrt(len(y)))
+    spread = suite.mean_se(y)[1]   # the plain spread of the run means (None for one run)
+    if spread is not None:
+        se = max(se, spread)
     return {"n": sum(st["n"] for st in stats), "log_ratio_mean": mean, "log_ratio_se": se, "runs": len(stats),
             "tau": math.sqrt(tau2)}
 
@@ -1315,7 +1318,7 @@ GOALS_NOTE = ("Generated by `python -m benchmarks report` from the same rows (do
               "over seeds straddles it; at world size 1, the steps' own min-max spread does, or for paired runs "
               "(`e2e --paired`, which decide their cell) the mean log step ratio +- 2 standard errors, "
               "pooled over a machine's runs as random effects, the two build orders weighted equally, and not "
-              "resolved with fewer than 3 runs of either order). °: the run did not "
+              f"resolved with fewer than {PAIRED_MIN_RUNS} runs of either order). °: the run did not "
               "run today's default (another default then, or before a fix that changes results; the headline's "
               "`config run` column says how); ?: not known.\n\n")
 
