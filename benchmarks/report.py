@@ -572,33 +572,51 @@ def cut_short(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: i
             "seed on different GPU models or commits part at the first steps):\n\n" + "\n".join(out) + "\n")
 
 
+def _per_step_said(curves: Sequence[List[float]]) -> Tuple[int, str]:
+    """Curves against the first over the steps all logged: (common steps, what they say)."""
+    n = min(len(c) for c in curves)
+    rel = [max(abs(c[i] / curves[0][i] - 1) for c in curves[1:]) for i in range(n)]
+    return n, ("identical at every step" if max(rel) == 0 else
+               f"largest per-step difference {100 * max(rel):.2f}% (step {rel.index(max(rel)) + 1}), at step {n} "
+               f"{100 * rel[-1]:.2f}%")
+
+
 def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 10) -> str:
     """Repeats of one run (same model, ranks, schedule, steps, lr, batch, variant, topology, seed, commit, machine
     and deterministic algorithms or not): per-step train loss of each against the first, over the steps all logged
-    (finished runs and runs cut short alike: :func:`_runs_with_losses`).  Empty without a repeat."""
+    (finished runs and runs cut short alike: :func:`_runs_with_losses`).  Then runs under deterministic algorithms
+    of one setting and commit on different GPU models, the first run of each model against the first model's.
+    Empty without a repeat."""
     groups: Dict[tuple, List[dict]] = {}
     for r in _runs_with_losses(rows, losses, min_steps):
-        key = _run_setting(r) + tuple(r.get(k) for k in ("variant", "topology", "seed", "commit", "machine"))
+        key = _run_setting(r) + tuple(r.get(k) for k in ("variant", "topology", "seed", "commit"))
         groups.setdefault(key, []).append(r)
-    out = []
+    out, across = [], []
     for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
-        if len(rs) < 2:
-            continue
-        rs = sorted(rs, key=lambda r: r.get("created", ""))
-        curves = [losses[r["row_id"]] for r in rs]
-        n = min(len(c) for c in curves)
-        rel = [max(abs(c[i] / curves[0][i] - 1) for c in curves[1:]) for i in range(n)]
-        (model, ranks, sched, steps, det, _, _, _), (variant, topo, seed, commit, machine) = key[:8], key[8:]
-        said = ("identical at every step" if max(rel) == 0 else
-                f"largest per-step difference {100 * max(rel):.2f}% (step {rel.index(max(rel)) + 1}), at step {n} "
-                f"{100 * rel[-1]:.2f}%")
-        out.append(f"- {model}, {ranks} ranks, {sched} lr, {steps} steps, {variant} {topo}, seed {seed}, "
-                   f"{'deterministic algorithms' if det else 'default algorithms'}: {len(rs)} runs ({machine}, "
-                   f"{commit}), {n} common steps: {said}")
-    if not out:
-        return ""
-    return ("\nRepeats of one run, same code and GPU model (per-step train loss against the first; `--deterministic`: "
-            "torch's deterministic algorithms):\n\n" + "\n".join(out) + "\n")
+        (model, ranks, sched, steps, det, _, _, _), (variant, topo, seed, commit) = key[:8], key[8:]
+        head = f"- {model}, {ranks} ranks, {sched} lr, {steps} steps, {variant} {topo}, seed {seed}"
+        by_machine: Dict[str, List[dict]] = {}
+        for r in sorted(rs, key=lambda r: r.get("created", "")):
+            by_machine.setdefault(r.get("machine"), []).append(r)
+        for machine, same in sorted(by_machine.items(), key=lambda kv: str(kv[0])):
+            if len(same) < 2:
+                continue
+            n, said = _per_step_said([losses[r["row_id"]] for r in same])
+            out.append(f"{head}, {'deterministic algorithms' if det else 'default algorithms'}: {len(same)} runs "
+                       f"({machine}, {commit}), {n} common steps: {said}")
+        if det and len(by_machine) > 1:
+            firsts = [same[0] for _, same in sorted(by_machine.items(), key=lambda kv: str(kv[0]))]
+            n, said = _per_step_said([losses[r["row_id"]] for r in firsts])
+            across.append(f"{head}: {' / '.join(str(r.get('machine')) for r in firsts)} ({commit}), {n} common "
+                          f"steps: {said}")
+    text = ""
+    if out:
+        text += ("\nRepeats of one run, same code and GPU model (per-step train loss against the first; "
+                 "`--deterministic`: torch's deterministic algorithms):\n\n" + "\n".join(out) + "\n")
+    if across:
+        text += ("\nOne run under `--deterministic` on different GPU models, same code (per-step train loss of "
+                 "each model's first run against the first model's):\n\n" + "\n".join(across) + "\n")
+    return text
 
 
 def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:
@@ -618,11 +636,15 @@ def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:
                 rel = [abs(x / y - 1) for x, y in zip(la[:n], lb[:n])]
                 first = next((i for i, v in enumerate(rel) if v > 1e-3), None)
                 out.append(f"- {a['model']}, {a['ranks']} ranks, seed {a['seed']}, {a['schedule']} lr: real ZeRO-3 "
-                           f"({a['topology']}, {a.get('status')}, {len(la)} steps logged) vs the replay, {n} common "
+                           f"({a['topology']}, {a.get('status')}, {len(la)} steps logged; {a.get('machine')}, "
+                           f"{a.get('commit')}) vs the replay ({b.get('status')}, {len(lb)} steps logged; "
+                           f"{b.get('machine')}, {b.get('commit')}), {n} common "
                            f"steps: largest per-step difference {100 * max(rel):.2f}%, median "
                            f"{100 * suite.median(rel):.3f}%, within 0.1% "
                            + (f"up to step {first} (step {first + 1}: {100 * rel[first]:.2f}%)" if first is not None
-                              else "at every step") + f", last step {100 * rel[n - 1]:.2f}%.")
+                              else "at every step") + f", last step {100 * rel[n - 1]:.2f}%"
+                           + (f"; mean of steps {n - 49}-{n} {100 * (sum(la[n - 50:n]) / sum(lb[n - 50:n]) - 1):+.2f}%"
+                              if n >= 50 else "") + ".")
     if not out:
         return ""
     return "\nReplay reference against a real ZeRO-3 run (per-step train loss):\n\n" + "\n".join(out) + "\n"

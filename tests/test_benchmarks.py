@@ -821,7 +821,11 @@ def test_replay_check_reports_per_step_agreement():
     rep = _acc_row("zero3:replay", "4r", 1, 3.0, 2.9, row_id="b/rep")
     text = report.replay_check([real, rep], {"a/real": [5.0, 4.0, 3.3], "b/rep": [5.0, 4.002, 3.0, 2.9]})
     assert "3 common steps" in text and "largest per-step difference 10.00%" in text
+    assert "(2x2, timeout, 3 steps logged; m, c) vs the replay (ok, 4 steps logged; m, c)" in text, text
     assert "within 0.1% up to step 2 (step 3: 10.00%)" in text
+    assert "mean of steps" not in text   # fewer than 50 common steps
+    text = report.replay_check([real, rep], {"a/real": [2.0] * 10 + [2.2] * 50, "b/rep": [2.0] * 60})
+    assert "60 common steps" in text and "mean of steps 11-60 +10.00%" in text, text
     assert report.replay_check([rep], {"b/rep": [1.0]}) == ""
     # a part of the replay's chain, continued later, is no run of its own: one line, not two
     part = dict(rep, row_id="b/part", status="stopped", steps_done=2)
@@ -1194,5 +1198,16 @@ def test_repeat_check_compares_repeats_of_one_run_step_by_step():
             "step") in text
     assert ("sdp4bit 2x2, seed 1, default algorithms: 2 runs (m, c), 12 common steps: largest per-step difference "
             "10.00% (step 6), at step 12 1.00%") in text
-    assert text.count("\n- ") == 2
+    assert text.count("\n- ") == 2 and "different GPU models" not in text
     assert report.repeat_check([a, c], losses) == ""
+    # deterministic runs of one setting and commit on two GPU models: one line comparing them, none for the
+    # default algorithms (i) nor across commits
+    j = dict(a, row_id="j/z", created="3", machine="other GPU", status="stopped", steps_done=15)
+    k = dict(a, row_id="k/z", created="4", machine="other GPU", commit="other")
+    losses.update({"j/z": [3.0] * 14 + [3.3], "k/z": [3.0] * 20})
+    text = report.repeat_check([a, b, c, i, j, k], losses)
+    assert ("zero3:replay 4r, seed 1: m / other GPU (c), 15 common steps: largest per-step difference 10.00% "
+            "(step 15), at step 15 10.00%") in text, text
+    assert text.count("other GPU") == 1 and "2 runs (m, c), 20 common steps: identical" in text
+    losses["j/z"] = [3.0] * 15
+    assert "15 common steps: identical at every step" in report.repeat_check([a, j], losses)
