@@ -1,0 +1,4 @@
+// Op 1's kernels for float input (see sdp4bit_quantize_impl.cuh).
+#include "sdp4bit_quantize_impl.cuh"
+
+SDP4BIT_OP1_INSTANTIATE(float)
