@@ -17,9 +17,10 @@
 # command sent again at once (the machine is kept only ~30 s after a call; a fresh one starts bare and the runs from
 # step 0) goes on from there; finished runs are skipped.  A chain never continued still leaves its steps so far
 # (the stopped part's losses; the report's "Runs cut short").
-#   set     (planned) SEEDS="1 2" SCHED=cosine WARMUP=100 DET=1: a seed-paired set under torch's deterministic
+#   set     SEEDS="1 2" SCHED=cosine WARMUP=100 DET=1: a seed-paired set under torch's deterministic
 #           algorithms, with the 100-step warm-up under which the simulation met the +0.3% goal
-#           (DET=1 adds --deterministic to every accuracy run; repeats then give the same losses, checked at 79adf81)
+#           (DET=1 adds --deterministic to every accuracy run; repeats then give the same losses, checked at 79adf81);
+#           run in the fifteenth session for seeds 1-4 (two calls per pair of seeds on 2 x H200)
 # usage: bash THIS COMMIT BUDGET_S const|abl|w1b|set
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
