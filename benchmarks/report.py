@@ -444,8 +444,8 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
             "ranks and seeds. vs ZeRO-3 mean: mean train loss over the runs relative to ZeRO-3's mean; same "
             "seed: each seed's difference to ZeRO-3's run(s) of that seed (same initialisation and data order), "
             "their mean first; min-max: the spread over the runs, seeds and repeats of a seed alike (ZeRO-3's is "
-            "the noise band; GPU kernels are not deterministic, so repeats of one seed differ). `*`: a run "
-            "stopped by its timeout after its last step and final evaluation (its teardown ran late; losses "
+            "the noise band; without `--deterministic` GPU kernels are not deterministic, so repeats of one seed "
+            "differ). `*`: a run stopped by its timeout after its last step and final evaluation (its teardown ran late; losses "
             "complete).\n" + gap_over_run(rows, losses or {}) + cut_short(rows, losses or {})
             + repeat_check(rows, losses or {}) + replay_check(rows, losses or {}))
 
@@ -581,70 +581,110 @@ def _per_step_said(curves: Sequence[List[float]]) -> Tuple[int, str]:
                f"{100 * rel[-1]:.2f}%")
 
 
+def _chain_of(rows: Sequence[dict]) -> Dict[str, List[dict]]:
+    """Each row's run as rows: the row, or every part of the chain it belongs to (``earlier_parts`` + the row
+    that lists them), by row id."""
+    by_id = {r.get("row_id"): r for r in rows}
+    out: Dict[str, List[dict]] = {}
+    for head in rows:
+        chain = [by_id[rid] for rid in (head.get("earlier_parts") or ()) if rid in by_id] + [head]
+        for r in chain:
+            if len(chain) >= len(out.get(r.get("row_id"), ())):
+                out[r.get("row_id")] = chain
+    return out
+
+
+def _chain_value(chain: Sequence[dict], key: str) -> Optional[str]:
+    """The machine or commit (``key``) of a run's parts: the one value, "A + B" where they differ, None where
+    a part does not say."""
+    vals = [r.get(key) for r in chain]
+    if any(v is None for v in vals):
+        return None
+    return " + ".join(dict.fromkeys(vals))
+
+
 def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 10) -> str:
     """Repeats of one run (same model, ranks, schedule, steps, lr, batch, variant, topology, seed, commit, machine
-    and deterministic algorithms or not): per-step train loss of each against the first, over the steps all logged
-    (finished runs and runs cut short alike: :func:`_runs_with_losses`).  Then runs under deterministic algorithms
-    of one setting and commit on different GPU models, the first run of each model against the first model's.
-    Empty without a repeat."""
+    and deterministic algorithms or not): per-step train loss of each against the earliest, over the steps all
+    logged (finished runs and runs cut short alike: :func:`_runs_with_losses`).  Then runs under deterministic
+    algorithms of one setting and commit on different GPU models: the earliest run of each model against that of
+    the model named first (alphabetically).  A run whose parts ran on different machines or commits, or whose
+    machine is not recorded, is no repeat of anything.  Empty without either."""
+    chains = _chain_of(rows)
     groups: Dict[tuple, List[dict]] = {}
     for r in _runs_with_losses(rows, losses, min_steps):
-        key = _run_setting(r) + tuple(r.get(k) for k in ("variant", "topology", "seed", "commit"))
-        groups.setdefault(key, []).append(r)
+        chain = chains.get(r.get("row_id"), [r])
+        machine, commit = _chain_value(chain, "machine"), _chain_value(chain, "commit")
+        if machine is None or commit is None or " + " in machine or " + " in commit:
+            continue
+        key = _run_setting(r) + (r.get("variant"), r.get("topology"), r.get("seed"), commit)
+        groups.setdefault(key, []).append((machine, r))
     out, across = [], []
-    for key, rs in sorted(groups.items(), key=lambda kv: str(kv[0])):
+    for key, ms in sorted(groups.items(), key=lambda kv: str(kv[0])):
         (model, ranks, sched, steps, det, _, _, _), (variant, topo, seed, commit) = key[:8], key[8:]
         head = f"- {model}, {ranks} ranks, {sched} lr, {steps} steps, {variant} {topo}, seed {seed}"
         by_machine: Dict[str, List[dict]] = {}
-        for r in sorted(rs, key=lambda r: r.get("created", "")):
-            by_machine.setdefault(r.get("machine"), []).append(r)
-        for machine, same in sorted(by_machine.items(), key=lambda kv: str(kv[0])):
+        for machine, r in sorted(ms, key=lambda mr: mr[1].get("created", "")):
+            by_machine.setdefault(machine, []).append(r)
+        for machine, same in sorted(by_machine.items()):
             if len(same) < 2:
                 continue
             n, said = _per_step_said([losses[r["row_id"]] for r in same])
             out.append(f"{head}, {'deterministic algorithms' if det else 'default algorithms'}: {len(same)} runs "
                        f"({machine}, {commit}), {n} common steps: {said}")
         if det and len(by_machine) > 1:
-            firsts = [same[0] for _, same in sorted(by_machine.items(), key=lambda kv: str(kv[0]))]
-            n, said = _per_step_said([losses[r["row_id"]] for r in firsts])
-            across.append(f"{head}: {' / '.join(str(r.get('machine')) for r in firsts)} ({commit}), {n} common "
-                          f"steps: {said}")
+            names = sorted(by_machine)
+            n, said = _per_step_said([losses[by_machine[m][0]["row_id"]] for m in names])
+            across.append(f"{head}: {' / '.join(names)} ({commit}), {n} common steps: {said}")
     text = ""
     if out:
         text += ("\nRepeats of one run, same code and GPU model (per-step train loss against the first; "
                  "`--deterministic`: torch's deterministic algorithms):\n\n" + "\n".join(out) + "\n")
     if across:
         text += ("\nOne run under `--deterministic` on different GPU models, same code (per-step train loss of "
-                 "each model's first run against the first model's):\n\n" + "\n".join(across) + "\n")
+                 "each model's first run against the first model's; shown for these runs only):\n\n"
+                 + "\n".join(across) + "\n")
     return text
 
 
 def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:
-    """The replay reference against a real multi-rank ZeRO-3 run of the same seed, schedule and steps: per-step
-    loss difference over the steps both logged (either may have stopped early).  Empty without such a pair."""
+    """The replay reference against a real multi-rank ZeRO-3 run of the same training (:func:`_run_setting`) and
+    seed: per-step loss difference over the steps both logged (either may have stopped early), and the mean of
+    the last 50 common steps, real against replay.  Replays that are identical over those steps (one
+    deterministic run made on two machines) share one line.  Empty without such a pair."""
+    chains = _chain_of(rows)
     runs = _runs_with_losses(rows, losses, 1)
     real = [r for r in runs if r.get("variant") == "zero3"]
-    rep = [r for r in runs if r.get("variant") == "zero3:replay"]
+    rep = sorted((r for r in runs if r.get("variant") == "zero3:replay"), key=lambda r: r.get("created", ""))
+
+    def where(r):
+        chain = chains.get(r.get("row_id"), [r])
+        return f"{_chain_value(chain, 'machine') or 'machine not recorded'}, {_chain_value(chain, 'commit') or '?'}"
+
     out = []
     for a in real:
+        la = losses[a["row_id"]]
+        same: Dict[tuple, List[dict]] = {}
         for b in rep:
-            if all(a.get(k) == b.get(k) for k in ("seed", "schedule", "steps", "model", "ranks")):
-                la, lb = losses[a["row_id"]], losses[b["row_id"]]
-                n = min(len(la), len(lb))
-                if n == 0:
-                    continue
-                rel = [abs(x / y - 1) for x, y in zip(la[:n], lb[:n])]
-                first = next((i for i, v in enumerate(rel) if v > 1e-3), None)
-                out.append(f"- {a['model']}, {a['ranks']} ranks, seed {a['seed']}, {a['schedule']} lr: real ZeRO-3 "
-                           f"({a['topology']}, {a.get('status')}, {len(la)} steps logged; {a.get('machine')}, "
-                           f"{a.get('commit')}) vs the replay ({b.get('status')}, {len(lb)} steps logged; "
-                           f"{b.get('machine')}, {b.get('commit')}), {n} common "
-                           f"steps: largest per-step difference {100 * max(rel):.2f}%, median "
-                           f"{100 * suite.median(rel):.3f}%, within 0.1% "
-                           + (f"up to step {first} (step {first + 1}: {100 * rel[first]:.2f}%)" if first is not None
-                              else "at every step") + f", last step {100 * rel[n - 1]:.2f}%"
-                           + (f"; mean of steps {n - 49}-{n} {100 * (sum(la[n - 50:n]) / sum(lb[n - 50:n]) - 1):+.2f}%"
-                              if n >= 50 else "") + ".")
+            if _run_setting(a) == _run_setting(b) and a.get("seed") == b.get("seed"):
+                n = min(len(la), len(losses[b["row_id"]]))
+                if n:
+                    same.setdefault(tuple(losses[b["row_id"]][:n]), []).append(b)
+        for lb, bs in same.items():
+            n = len(lb)
+            rel = [abs(x / y - 1) for x, y in zip(la[:n], lb)]
+            first = next((i for i, v in enumerate(rel) if v > 1e-3), None)
+            reps = " / ".join(f"({b.get('status')}, {len(losses[b['row_id']])} steps logged; {where(b)})" for b in bs)
+            out.append(f"- {a['model']}, {a['ranks']} ranks, seed {a['seed']}, {a['schedule']} lr: real ZeRO-3 "
+                       f"({a['topology']}, {a.get('status')}, {len(la)} steps logged; {where(a)}) vs "
+                       + (f"the replay {reps}" if len(bs) == 1 else f"{len(bs)} replays identical over these steps "
+                          f"{reps}") + f", {n} common "
+                       f"steps: largest per-step difference {100 * max(rel):.2f}%, median "
+                       f"{100 * suite.median(rel):.3f}%, within 0.1% "
+                       + (f"up to step {first} (step {first + 1}: {100 * rel[first]:.2f}%)" if first is not None
+                          else "at every step") + f", last step {100 * rel[n - 1]:.2f}%"
+                       + (f"; mean of steps {n - 49}-{n}, real against replay, "
+                          f"{100 * (sum(la[n - 50:n]) / sum(lb[n - 50:n]) - 1):+.2f}%" if n >= 50 else "") + ".")
     if not out:
         return ""
     return "\nReplay reference against a real ZeRO-3 run (per-step train loss):\n\n" + "\n".join(out) + "\n"
@@ -1254,7 +1294,8 @@ def _memory_goal(rows: Sequence[dict], replica: str, today: Dict[str, object]) -
 
 def _accuracy_goal(acc_rows: Sequence[dict]) -> Tuple[str, str]:
     """Mean of the seed-paired train-loss differences of the default config, with its standard error: shown
-    when mean + 2 SE <= GOAL_GAP, missed when mean - 2 SE > GOAL_GAP, otherwise not resolved by the seeds run."""
+    when mean + t SE <= GOAL_GAP, missed when mean - t SE > GOAL_GAP (:func:`_gap_verdict`), otherwise not resolved
+    by the seeds run."""
     parts, verdicts = [], []
     for (ranks, sched, steps, model), ref, rs in _default_loss_groups(acc_rows):
         d = [x for _, x in _paired(rs, ref, "train_loss")]
@@ -1279,19 +1320,31 @@ def _default_loss_groups(acc_rows: Sequence[dict]):
                 yield key, ref, rs
 
 
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond 30 the rule keeps 2 (as before).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_factor(n: int) -> float:
+    """The multiple of the standard error that bounds a mean of ``n`` seeds (n >= 2): Student's t, two-sided 95%,
+    n - 1 degrees of freedom, never below 2 (a few seeds' SE is itself uncertain: 3.18 for 4 seeds)."""
+    return max(2.0, _T95[n - 2]) if n - 2 < len(_T95) else 2.0
+
+
 def _gap_verdict(d: Sequence[float]) -> Tuple[str, str]:
-    """Seed-paired gaps (%) -> ("mean +- SE (...)", verdict): met when mean + 2 SE <= GOAL_GAP, not met when
-    mean - 2 SE > GOAL_GAP, otherwise not resolved by the seeds run."""
+    """Seed-paired gaps (%) -> ("mean +- SE (...)", verdict): met when mean + t SE <= GOAL_GAP, not met when
+    mean - t SE > GOAL_GAP (t: :func:`t_factor` of the seeds), otherwise not resolved by the seeds run."""
     m, se = suite.mean_se(d)
     if se is None:
         v = "not resolved (one seed)"
-    elif m + 2 * se <= GOAL_GAP:
+    elif m + t_factor(len(d)) * se <= GOAL_GAP:
         v = "met"
-    elif m - 2 * se > GOAL_GAP:
+    elif m - t_factor(len(d)) * se > GOAL_GAP:
         v = "not met"
     else:
         v = "not resolved"
-    return f"{m:+.2f}%" + (f" +- {se:.2f} (SE, {len(d)} seeds)" if se is not None else " (1 seed)") + f": {v}", v
+    return (f"{m:+.2f}%" + (f" +- {se:.2f} (SE, {len(d)} seeds; bound {m + t_factor(len(d)) * se:+.2f}%)"
+                            if se is not None else " (1 seed)") + f": {v}", v)
 
 
 SIM_GPU_RUNS = suite.REPO / "benchmarks" / "results" / "accuracy_sim"   # gpu_*.json: accuracy-sim on a GPU
@@ -1336,8 +1389,9 @@ def _sim_accuracy_goal(runs: Sequence[dict]) -> Tuple[str, str]:
 GOALS_NOTE = ("Generated by `python -m benchmarks report` from the same rows (do not edit by hand): each open "
               "issue's goal against every run that measured it, one row per run, ratios only between rows of one "
               "run (the no-communication bound: the world-1 ZeRO-3 step of the same GPU, from any run). `not "
-              "resolved`: the runs cannot tell the result from the goal (for the loss, mean +- 2 standard errors "
-              "over seeds straddles it; at world size 1, the steps' own min-max spread does, or for paired runs "
+              "resolved`: the runs cannot tell the result from the goal (for the loss, mean +- t standard errors "
+              "over seeds straddles it, t from Student's t for the seeds run, two-sided 95%, at least 2: 3.18 for 4 "
+              "seeds, the bound given; at world size 1, the steps' own min-max spread does, or for paired runs "
               "(`e2e --paired`, which decide their cell) the mean log step ratio +- 2 standard errors, "
               "pooled over a machine's runs as random effects, the two build orders weighted equally, and not "
               f"resolved with fewer than {PAIRED_MIN_RUNS} runs of either order). °: the run did not "

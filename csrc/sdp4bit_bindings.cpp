@@ -1,4 +1,4 @@
-// torch binding of the SDP4Bit kernels (sdp4bit_quantize.cu, sdp4bit_reduce.cu, sdp4bit_weights.cu).
+// torch binding of the SDP4Bit kernels (sdp4bit_quantize*.cu, sdp4bit_reduce.cu, sdp4bit_weights.cu).
 //
 // Every function validates all of its tensors (device, dtype, contiguity, sizes) and the group/Hadamard
 // constraints before launching, then launches on the current CUDA stream of the tensors' device under a

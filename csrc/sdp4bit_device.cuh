@@ -1,5 +1,6 @@
-// Device code shared by the SDP4Bit kernels (included by sdp4bit_quantize.cu, sdp4bit_reduce.cu and
-// sdp4bit_weights.cu; each compiles on its own so that a build compiles them in parallel).
+// Device code shared by the SDP4Bit kernels (included by sdp4bit_quantize_impl.cuh, whose op 1 compiles once
+// per input dtype in sdp4bit_quantize_{f32,f16,bf16}.cu, and by sdp4bit_reduce.cu and sdp4bit_weights.cu; each
+// compiles on its own so that a build compiles them in parallel).
 //
 // Layout: a lane owns kVec = 8 contiguous elements (one 16-byte load of bf16/fp16, two of fp32), a warp
 // step covers 256 contiguous elements.  A Hadamard block of up to 256 elements lives in one warp step: its

@@ -683,14 +683,16 @@ def test_goals_judge_only_same_run_ratios_and_say_when_seeds_cannot_resolve_the_
     node = next(line for line in g.splitlines() if "replica node" in line)
     assert "+1.00 B/param (<= 1" in node and "**met**" in node
     assert "| 23 | step-time model within 20% of every measured point: ranks sharing one GPU | not measured | **not measured** |" in g
-    # accuracy: mean +- 2 SE against +0.3%
+    # accuracy: mean +- t SE against +0.3% (t of Student for the seeds: 4.30 for 3)
     z = [_acc_row("zero3:replay", "4r", s, 2.0, 2.0) for s in (1, 2, 3)]
     def acc(gaps):
         rs = [dict(_acc_row("sdp4bit", "2x2", s, 2.0 * (1 + d / 100), 2.0), default=True)
               for s, d in zip((1, 2, 3), gaps)]
         return next(line for line in report.goals_table([], z + rs, None).splitlines() if line.startswith("| 21"))
-    assert "+0.05% +- 0.06 (SE, 3 seeds): met | **met** |" in acc([0.05, 0.15, -0.05])
+    assert "+0.05% +- 0.06 (SE, 3 seeds; bound +0.30%): met | **met** |" in acc([0.05, 0.15, -0.05])
+    assert "**not resolved**" in acc([0.05, 0.16, -0.05])   # bound +0.31%: under 2 SE it was met (+0.18%)
     assert "**not met**" in acc([1.0, 1.1, 0.9])
+    assert "**not resolved**" in acc([0.5, 0.6, 0.4]) and "**not met**" in acc([0.8, 0.9, 0.7])   # 2 SE: not met
     assert "**not resolved**" in acc([2.0, -2.0, 0.5])
     assert "not resolved (one seed)" in acc([0.0])
 
@@ -824,8 +826,20 @@ def test_replay_check_reports_per_step_agreement():
     assert "(2x2, timeout, 3 steps logged; m, c) vs the replay (ok, 4 steps logged; m, c)" in text, text
     assert "within 0.1% up to step 2 (step 3: 10.00%)" in text
     assert "mean of steps" not in text   # fewer than 50 common steps
-    text = report.replay_check([real, rep], {"a/real": [2.0] * 10 + [2.2] * 50, "b/rep": [2.0] * 60})
-    assert "60 common steps" in text and "mean of steps 11-60 +10.00%" in text, text
+    # exactly 50 common steps: their mean, real against replay, as a ratio of means (not a mean of ratios)
+    la, lb = [1.0] * 25 + [3.0] * 25, [1.0] * 25 + [2.0] * 25   # ratio of means +33.33%, mean of ratios +25%
+    text = report.replay_check([real, rep], {"a/real": la, "b/rep": lb + [9.0] * 10})
+    assert "50 common steps" in text and "mean of steps 1-50, real against replay, +33.33%" in text, text
+    # the pair is one training: a deterministic replay, or one at another lr, is not this real run's reference
+    for other in (dict(rep, deterministic=True), dict(rep, lr=1.0)):
+        assert report.replay_check([real, other], {"a/real": la, "b/rep": lb}) == ""
+    # replays identical over the common steps (one deterministic run made on two machines) share one line
+    rep2 = dict(rep, row_id="c/rep", machine="n", status="stopped", steps_done=50, created="2")
+    text = report.replay_check([real, rep, rep2], {"a/real": la, "b/rep": lb + [7.0], "c/rep": lb})
+    assert text.count("\n- ") == 1 and "2 replays identical over these steps (ok, 51 steps logged; m, c) / " \
+        "(stopped, 50 steps logged; n, c)" in text, text
+    text = report.replay_check([real, rep, rep2], {"a/real": la, "b/rep": lb, "c/rep": [2.5] * 50})  # differ
+    assert text.count("\n- ") == 2 and "identical" not in text
     assert report.replay_check([rep], {"b/rep": [1.0]}) == ""
     # a part of the replay's chain, continued later, is no run of its own: one line, not two
     part = dict(rep, row_id="b/part", status="stopped", steps_done=2)
@@ -833,6 +847,14 @@ def test_replay_check_reports_per_step_agreement():
     text = report.replay_check([real, part, later], {"a/real": [5.0, 4.0, 3.3], "b/part": [5.0, 4.002],
                                                      "b/rep": [5.0, 4.002, 3.0, 2.9]})
     assert text.count("\n- ") == 1 and "3 common steps" in text
+
+
+def test_t_factor_bounds_a_few_seeds_by_students_t():
+    """The loss goal's bound: Student's t (two-sided 95%, n - 1 degrees of freedom), never below 2."""
+    assert report.t_factor(2) == 12.706 and report.t_factor(4) == 3.182 and report.t_factor(31) == 2.042
+    assert report.t_factor(32) == 2.0 and report.t_factor(1000) == 2.0
+    text, v = report._gap_verdict([-5.574, -0.424, -5.152, -0.556])   # 4 seeds whose mean + 2 SE is -0.11%
+    assert v == "not resolved" and "bound +1.56%" in text, text
 
 
 def test_collectives_question_runs_on_cpu(tmp_path):
@@ -1041,7 +1063,7 @@ def test_accuracy_sim_plot_writes_a_png(tmp_path):
 
 def test_goals_table_reads_the_deterministic_simulation(tmp_path):
     """Issue 21's goal row of the GPU accuracy-sim files: the shipped config's paired gaps per topology, the
-    default rounding seed only, the same verdict rule as the engine's rows (mean +- 2 SE against +0.3%)."""
+    default rounding seed only, the same verdict rule as the engine's rows (mean +- t SE against +0.3%)."""
     z = [4.0, 3.0, 2.0]
     ARGS = {"d_model": 768, "layers": 12, "lr": 1e-3, "warmup": 0, "min_lr_ratio": 1.0}   # the issue's model
     runs = [dict(_fake_sim_run("zero3", "2x2", s, z), args=ARGS) for s in (1, 2, 3)]
@@ -1055,7 +1077,8 @@ def test_goals_table_reads_the_deterministic_simulation(tmp_path):
     loaded = report.load_sim_runs(tmp_path)
     assert len(loaded) == len(runs) and all(r["file"] == "gpu_x.json" for r in loaded)
     line = next(x for x in report.goals_table([], [], None, loaded).splitlines() if "simulation" in x)
-    assert "d768 L12 4x1 3 steps, lr 0.001, constant (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds): not met" in line
+    assert ("d768 L12 4x1 3 steps, lr 0.001, constant (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds; bound +3.74%): "
+            "not met") in line
     # a smaller model's screen in the same files does not measure the issue's goal
     small = [dict(r, args=dict(ARGS, d_model=128, layers=4)) for r in loaded]
     line2 = next(x for x in report.goals_table([], [], None, loaded + small).splitlines() if "simulation" in x)
@@ -1200,14 +1223,23 @@ def test_repeat_check_compares_repeats_of_one_run_step_by_step():
             "10.00% (step 6), at step 12 1.00%") in text
     assert text.count("\n- ") == 2 and "different GPU models" not in text
     assert report.repeat_check([a, c], losses) == ""
-    # deterministic runs of one setting and commit on two GPU models: one line comparing them, none for the
-    # default algorithms (i) nor across commits
+    # deterministic runs of one setting and commit on two GPU models: one line comparing each model's earliest run
+    # (whatever the order of the rows), none for the default algorithms (i) nor across commits (k)
     j = dict(a, row_id="j/z", created="3", machine="other GPU", status="stopped", steps_done=15)
+    j2 = dict(a, row_id="j2/z", created="4", machine="other GPU")
     k = dict(a, row_id="k/z", created="4", machine="other GPU", commit="other")
-    losses.update({"j/z": [3.0] * 14 + [3.3], "k/z": [3.0] * 20})
-    text = report.repeat_check([a, b, c, i, j, k], losses)
+    losses.update({"j/z": [3.0] * 14 + [3.3], "j2/z": [3.0] * 20, "k/z": [3.0] * 20})
+    b_other = dict(b, row_id="b2/z")   # the later run on m differs: the earliest (a) is the one compared
+    losses["b2/z"] = [5.0] * 20
+    text = report.repeat_check([j2, b_other, c, i, j, k, a], losses)
     assert ("zero3:replay 4r, seed 1: m / other GPU (c), 15 common steps: largest per-step difference 10.00% "
             "(step 15), at step 15 10.00%") in text, text
-    assert text.count("other GPU") == 1 and "2 runs (m, c), 20 common steps: identical" in text
+    assert text.count("/ other GPU") == 1 and "2 runs (m, c), 20 common steps: largest per-step difference 66.67%" in text
     losses["j/z"] = [3.0] * 15
+    # a run whose machine is not recorded, or whose parts ran on two machines, is no repeat of anything
+    assert report.repeat_check([a, dict(j, machine=None)], losses) == ""
+    part = dict(a, row_id="p/z", created="0", status="stopped", steps_done=10, machine="other GPU")
+    whole = dict(a, row_id="w/z", created="5", earlier_parts=["p/z"])
+    losses.update({"p/z": [3.0] * 10, "w/z": [3.0] * 20})
+    assert report.repeat_check([part, whole, j], losses) == ""
     assert "15 common steps: identical at every step" in report.repeat_check([a, j], losses)
