@@ -491,8 +491,8 @@ def _runs_with_losses(rows: Sequence[dict], losses: Dict[str, List[float]], min_
         chain = [by_id[rid] for rid in (head.get("earlier_parts") or ()) if rid in by_id] + [head]
         done = [r for r in chain if suite.finished_training(r)]
         best = done[-1] if done else max(reversed(chain), key=lambda r: len(losses.get(r.get("row_id"), ())))
-        if len(losses.get(best.get("row_id"), ())) >= min_steps:
-            out.append(best)
+        if len(losses.get(best.get("row_id"), ())) >= min_steps and best not in out:
+            out.append(best)   # (a part two chains both list stands for one run, not two)
     return out
 
 
@@ -589,7 +589,7 @@ def _chain_of(rows: Sequence[dict]) -> Dict[str, List[dict]]:
     for head in rows:
         chain = [by_id[rid] for rid in (head.get("earlier_parts") or ()) if rid in by_id] + [head]
         for r in chain:
-            if len(chain) >= len(out.get(r.get("row_id"), ())):
+            if r.get("row_id") is not None and len(chain) >= len(out.get(r.get("row_id"), ())):
                 out[r.get("row_id")] = chain
     return out
 
@@ -624,7 +624,7 @@ def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
         (model, ranks, sched, steps, det, _, _, _), (variant, topo, seed, commit) = key[:8], key[8:]
         head = f"- {model}, {ranks} ranks, {sched} lr, {steps} steps, {variant} {topo}, seed {seed}"
         by_machine: Dict[str, List[dict]] = {}
-        for machine, r in sorted(ms, key=lambda mr: mr[1].get("created", "")):
+        for machine, r in sorted(ms, key=lambda mr: mr[1].get("created") or ""):
             by_machine.setdefault(machine, []).append(r)
         for machine, same in sorted(by_machine.items()):
             if len(same) < 2:
@@ -654,8 +654,8 @@ def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:
     deterministic run made on two machines) share one line.  Empty without such a pair."""
     chains = _chain_of(rows)
     runs = _runs_with_losses(rows, losses, 1)
-    real = [r for r in runs if r.get("variant") == "zero3"]
-    rep = sorted((r for r in runs if r.get("variant") == "zero3:replay"), key=lambda r: r.get("created", ""))
+    real = sorted((r for r in runs if r.get("variant") == "zero3"), key=lambda r: r.get("created") or "")
+    rep = sorted((r for r in runs if r.get("variant") == "zero3:replay"), key=lambda r: r.get("created") or "")
 
     def where(r):
         chain = chains.get(r.get("row_id"), [r])
@@ -664,13 +664,21 @@ def replay_check(rows: Sequence[dict], losses: Dict[str, List[float]]) -> str:
     out = []
     for a in real:
         la = losses[a["row_id"]]
-        same: Dict[tuple, List[dict]] = {}
+        groups: List[Tuple[List[float], List[dict]]] = []   # (common steps of the group's curves, replays)
         for b in rep:
-            if _run_setting(a) == _run_setting(b) and a.get("seed") == b.get("seed"):
-                n = min(len(la), len(losses[b["row_id"]]))
-                if n:
-                    same.setdefault(tuple(losses[b["row_id"]][:n]), []).append(b)
-        for lb, bs in same.items():
+            if _run_setting(a) != _run_setting(b) or a.get("seed") != b.get("seed"):
+                continue
+            lb = losses[b["row_id"]][:len(la)]
+            if not lb:
+                continue
+            for i, (common, bs) in enumerate(groups):
+                n = min(len(common), len(lb))
+                if common[:n] == lb[:n]:   # identical over the steps both logged: one group, its shorter length
+                    groups[i] = (common[:n], bs + [b])
+                    break
+            else:
+                groups.append((lb, [b]))
+        for lb, bs in groups:
             n = len(lb)
             rel = [abs(x / y - 1) for x, y in zip(la[:n], lb)]
             first = next((i for i, v in enumerate(rel) if v > 1e-3), None)
@@ -1320,15 +1328,22 @@ def _default_loss_groups(acc_rows: Sequence[dict]):
                 yield key, ref, rs
 
 
-# Two-sided 95% quantiles of Student's t by degrees of freedom (1-30); beyond 30 the rule keeps 2 (as before).
+# Two-sided 95% quantiles of Student's t by degrees of freedom (1-30), then at 40 and 60 degrees.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T95_40, _T95_60 = 2.021, 2.000
 
 
 def t_factor(n: int) -> float:
     """The multiple of the standard error that bounds a mean of ``n`` seeds (n >= 2): Student's t, two-sided 95%,
-    n - 1 degrees of freedom, never below 2 (a few seeds' SE is itself uncertain: 3.18 for 4 seeds)."""
-    return max(2.0, _T95[n - 2]) if n - 2 < len(_T95) else 2.0
+    n - 1 degrees of freedom (a few seeds' SE is itself uncertain: 3.18 for 4 seeds); between tabulated degrees
+    the value of the next lower one (never smaller than the exact one), 2 from 61 seeds."""
+    if n < 2:
+        raise ValueError(f"t_factor: a standard error needs at least 2 seeds, got {n}")
+    df = n - 1
+    if df <= len(_T95):
+        return _T95[df - 1]
+    return _T95[-1] if df < 40 else _T95_40 if df < 60 else _T95_60
 
 
 def _gap_verdict(d: Sequence[float]) -> Tuple[str, str]:
@@ -1343,7 +1358,8 @@ def _gap_verdict(d: Sequence[float]) -> Tuple[str, str]:
         v = "not met"
     else:
         v = "not resolved"
-    return (f"{m:+.2f}%" + (f" +- {se:.2f} (SE, {len(d)} seeds; bound {m + t_factor(len(d)) * se:+.2f}%)"
+    t = t_factor(len(d)) if se is not None else 0.0
+    return (f"{m:+.2f}%" + (f" +- {se:.2f} (SE, {len(d)} seeds; mean +- t SE {m - t * se:+.2f} .. {m + t * se:+.2f}%)"
                             if se is not None else " (1 seed)") + f": {v}", v)
 
 
@@ -1390,8 +1406,8 @@ GOALS_NOTE = ("Generated by `python -m benchmarks report` from the same rows (do
               "issue's goal against every run that measured it, one row per run, ratios only between rows of one "
               "run (the no-communication bound: the world-1 ZeRO-3 step of the same GPU, from any run). `not "
               "resolved`: the runs cannot tell the result from the goal (for the loss, mean +- t standard errors "
-              "over seeds straddles it, t from Student's t for the seeds run, two-sided 95%, at least 2: 3.18 for 4 "
-              "seeds, the bound given; at world size 1, the steps' own min-max spread does, or for paired runs "
+              "over seeds straddles it, t from Student's t for the seeds run, two-sided 95%: 3.18 for 4 seeds, "
+              "about 2 for many; the interval given; at world size 1, the steps' own min-max spread does, or for paired runs "
               "(`e2e --paired`, which decide their cell) the mean log step ratio +- 2 standard errors, "
               "pooled over a machine's runs as random effects, the two build orders weighted equally, and not "
               f"resolved with fewer than {PAIRED_MIN_RUNS} runs of either order). °: the run did not "

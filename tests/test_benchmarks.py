@@ -689,7 +689,7 @@ def test_goals_judge_only_same_run_ratios_and_say_when_seeds_cannot_resolve_the_
         rs = [dict(_acc_row("sdp4bit", "2x2", s, 2.0 * (1 + d / 100), 2.0), default=True)
               for s, d in zip((1, 2, 3), gaps)]
         return next(line for line in report.goals_table([], z + rs, None).splitlines() if line.startswith("| 21"))
-    assert "+0.05% +- 0.06 (SE, 3 seeds; bound +0.30%): met | **met** |" in acc([0.05, 0.15, -0.05])
+    assert "+0.05% +- 0.06 (SE, 3 seeds; mean +- t SE -0.20 .. +0.30%): met | **met** |" in acc([0.05, 0.15, -0.05])
     assert "**not resolved**" in acc([0.05, 0.16, -0.05])   # bound +0.31%: under 2 SE it was met (+0.18%)
     assert "**not met**" in acc([1.0, 1.1, 0.9])
     assert "**not resolved**" in acc([0.5, 0.6, 0.4]) and "**not met**" in acc([0.8, 0.9, 0.7])   # 2 SE: not met
@@ -838,6 +838,10 @@ def test_replay_check_reports_per_step_agreement():
     text = report.replay_check([real, rep, rep2], {"a/real": la, "b/rep": lb + [7.0], "c/rep": lb})
     assert text.count("\n- ") == 1 and "2 replays identical over these steps (ok, 51 steps logged; m, c) / " \
         "(stopped, 50 steps logged; n, c)" in text, text
+    # identical replays both shorter than the real run, of different lengths: one line over the shorter
+    text = report.replay_check([real, rep, dict(rep2, created=None)],
+                               {"a/real": la + [2.0] * 20, "b/rep": lb + [2.0], "c/rep": lb + [2.0] * 5})
+    assert text.count("\n- ") == 1 and "2 replays identical" in text and "51 common steps" in text, text
     text = report.replay_check([real, rep, rep2], {"a/real": la, "b/rep": lb, "c/rep": [2.5] * 50})  # differ
     assert text.count("\n- ") == 2 and "identical" not in text
     assert report.replay_check([rep], {"b/rep": [1.0]}) == ""
@@ -852,9 +856,13 @@ def test_replay_check_reports_per_step_agreement():
 def test_t_factor_bounds_a_few_seeds_by_students_t():
     """The loss goal's bound: Student's t (two-sided 95%, n - 1 degrees of freedom), never below 2."""
     assert report.t_factor(2) == 12.706 and report.t_factor(4) == 3.182 and report.t_factor(31) == 2.042
-    assert report.t_factor(32) == 2.0 and report.t_factor(1000) == 2.0
+    assert report.t_factor(32) == 2.042 and report.t_factor(41) == 2.021 and report.t_factor(61) == 2.0
+    assert report.t_factor(1000) == 2.0
+    for n in (0, 1):
+        with pytest.raises(ValueError, match="at least 2 seeds"):
+            report.t_factor(n)
     text, v = report._gap_verdict([-5.574, -0.424, -5.152, -0.556])   # 4 seeds whose mean + 2 SE is -0.11%
-    assert v == "not resolved" and "bound +1.56%" in text, text
+    assert v == "not resolved" and "mean +- t SE -7.41 .. +1.56%" in text, text
 
 
 def test_collectives_question_runs_on_cpu(tmp_path):
@@ -1077,8 +1085,8 @@ def test_goals_table_reads_the_deterministic_simulation(tmp_path):
     loaded = report.load_sim_runs(tmp_path)
     assert len(loaded) == len(runs) and all(r["file"] == "gpu_x.json" for r in loaded)
     line = next(x for x in report.goals_table([], [], None, loaded).splitlines() if "simulation" in x)
-    assert ("d768 L12 4x1 3 steps, lr 0.001, constant (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds; bound +3.74%): "
-            "not met") in line
+    assert ("d768 L12 4x1 3 steps, lr 0.001, constant (gpu_x.json, ?): +2.50% +- 0.29 (SE, 3 seeds; mean +- t SE "
+            "+1.26 .. +3.74%): not met") in line
     # a smaller model's screen in the same files does not measure the issue's goal
     small = [dict(r, args=dict(ARGS, d_model=128, layers=4)) for r in loaded]
     line2 = next(x for x in report.goals_table([], [], None, loaded + small).splitlines() if "simulation" in x)
@@ -1242,4 +1250,11 @@ def test_repeat_check_compares_repeats_of_one_run_step_by_step():
     whole = dict(a, row_id="w/z", created="5", earlier_parts=["p/z"])
     losses.update({"p/z": [3.0] * 10, "w/z": [3.0] * 20})
     assert report.repeat_check([part, whole, j], losses) == ""
+    assert report.repeat_check([dict(part, machine="m", commit="old"), whole, a], losses) == ""   # two commits
+    # a part that two runs both list (a fork) stands for one run, not two repeats of itself
+    fork = [dict(part, machine="m", steps_done=20), dict(a, row_id="f1/z", earlier_parts=["p/z"], status="failed",
+                                                           steps_done=0),
+            dict(a, row_id="f2/z", earlier_parts=["p/z"], status="failed", steps_done=0)]
+    losses["p/z"] = [3.0] * 20
+    assert report.repeat_check(fork, losses) == ""
     assert "15 common steps: identical at every step" in report.repeat_check([a, j], losses)
