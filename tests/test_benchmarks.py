@@ -206,6 +206,11 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
     assert [report._paired_verdict(r)[1] for r in cell[::2]] == ["not resolved"] * 6
     m, v = report._same_code_goal(cell[::2] + [solo[0]], cell + solo, today)
     assert v == "met" and "6 paired runs, both build orders weighted equally" in m and "): +0.00% (" in m
+    assert "-0.68 .. +0.68%, 2.776 SE)" in m, m   # 6 pooled runs: Student's t of 4 degrees of freedom
+    # a pool whose mean + 2 SE would meet the goal but + t SE does not: not resolved
+    up = [dict(r, paired=dict(r["paired"], log_ratio_mean=math.log(1.004))) if "paired" in r else r for r in cell]
+    m2, v2 = report._same_code_goal(up[::2], up, today)
+    assert v2 == "not resolved" and "+0.40% (-0.28 .. +1.09%, 2.776 SE): not resolved" in m2, m2
     assert "+100.00%: superseded by the paired runs of this cell" in m
     # two runs of an order are not enough: a process's offset between its engines is invisible to its own steps
     m, v = report._same_code_goal(cell[:8:2], cell[:8], today)
