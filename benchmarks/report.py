@@ -445,8 +445,8 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
             "seed: each seed's difference to ZeRO-3's run(s) of that seed (same initialisation and data order), "
             "their mean first; min-max: the spread over the runs, seeds and repeats of a seed alike (ZeRO-3's is "
             "the noise band; without `--deterministic` GPU kernels are not deterministic, so repeats of one seed "
-            "differ). `*`: a run stopped by its timeout after its last step and final evaluation (its teardown ran late; losses "
-            "complete).\n" + gap_over_run(rows, losses or {}) + cut_short(rows, losses or {})
+            "differ). `*`: a run stopped by its timeout after its last step and final evaluation (its teardown ran "
+            "late; losses complete).\n" + gap_over_run(rows, losses or {}) + cut_short(rows, losses or {})
             + repeat_check(rows, losses or {}) + replay_check(rows, losses or {}))
 
 
@@ -477,6 +477,11 @@ def gap_over_run(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
             "over the same span:\n\n" + "\n".join(out) + "\n")
 
 
+def _chain(head: dict, by_id: Dict[str, dict]) -> List[dict]:
+    """``head``'s run as rows: the earlier parts it lists (``earlier_parts``, those in ``by_id``), then itself."""
+    return [by_id[rid] for rid in (head.get("earlier_parts") or ()) if rid in by_id] + [head]
+
+
 def _runs_with_losses(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int) -> List[dict]:
     """Rows that are a run with at least ``min_steps`` per-step losses, one per run: a row and the earlier parts it
     lists (``earlier_parts``: parts of one run split over calls by ``--stop-after`` / ``--stop-margin``, whatever
@@ -488,7 +493,7 @@ def _runs_with_losses(rows: Sequence[dict], losses: Dict[str, List[float]], min_
     for head in rows:
         if head.get("row_id") in later:
             continue   # a part of a later row's run
-        chain = [by_id[rid] for rid in (head.get("earlier_parts") or ()) if rid in by_id] + [head]
+        chain = _chain(head, by_id)
         done = [r for r in chain if suite.finished_training(r)]
         best = done[-1] if done else max(reversed(chain), key=lambda r: len(losses.get(r.get("row_id"), ())))
         if len(losses.get(best.get("row_id"), ())) >= min_steps and best not in out:
@@ -587,7 +592,7 @@ def _chain_of(rows: Sequence[dict]) -> Dict[str, List[dict]]:
     by_id = {r.get("row_id"): r for r in rows}
     out: Dict[str, List[dict]] = {}
     for head in rows:
-        chain = [by_id[rid] for rid in (head.get("earlier_parts") or ()) if rid in by_id] + [head]
+        chain = _chain(head, by_id)
         for r in chain:
             if r.get("row_id") is not None and len(chain) >= len(out.get(r.get("row_id"), ())):
                 out[r.get("row_id")] = chain
@@ -1355,15 +1360,15 @@ def _gap_verdict(d: Sequence[float]) -> Tuple[str, str]:
     """Seed-paired gaps (%) -> ("mean +- SE (...)", verdict): met when mean + t SE <= GOAL_GAP, not met when
     mean - t SE > GOAL_GAP (t: :func:`t_factor` of the seeds), otherwise not resolved by the seeds run."""
     m, se = suite.mean_se(d)
+    t = t_factor(len(d)) if se is not None else 0.0
     if se is None:
         v = "not resolved (one seed)"
-    elif m + t_factor(len(d)) * se <= GOAL_GAP:
+    elif m + t * se <= GOAL_GAP:
         v = "met"
-    elif m - t_factor(len(d)) * se > GOAL_GAP:
+    elif m - t * se > GOAL_GAP:
         v = "not met"
     else:
         v = "not resolved"
-    t = t_factor(len(d)) if se is not None else 0.0
     return (f"{m:+.2f}%" + (f" +- {se:.2f} (SE, {len(d)} seeds; mean +- t SE {m - t * se:+.2f} .. {m + t * se:+.2f}%)"
                             if se is not None else " (1 seed)") + f": {v}", v)
 
