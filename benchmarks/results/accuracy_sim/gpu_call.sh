@@ -4,13 +4,10 @@
 # packs the run files and logs into $OUT/runs.tgz.  Run from the repository root with .whl/ carried.
 # usage: bash benchmarks/results/accuracy_sim/gpu_call.sh COMMIT BUDGET_S "JOB1" "JOB2" ...   (each JOB: extra accuracy-sim args; one process each)
 commit=$1; budget=$2; shift 2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=$commit
-find /tmp/torch_extensions -name lock -delete 2>/dev/null
+source benchmarks/results/device_env.sh
 mkdir -p $OUT/logs
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > $OUT/logs/gpu.txt
-python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" > $OUT/logs/build.txt 2>&1; tail -2 $OUT/logs/build.txt
-echo "built at $SECONDS s"
+build_kernels $OUT/logs/build.txt
 (while true; do nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader >> $OUT/logs/util.txt; sleep 10; done) & mon=$!
 # SIM_MODEL: the model and schedule arguments (default: the 86M GPT of issue 21; the d128 L4 model of the CPU
 # runs is "--d-model 128 --layers 4 --heads 4 --seq 128 --micro-batch 8 --lr 1e-3 --warmup 20 --min-lr-ratio 0.1

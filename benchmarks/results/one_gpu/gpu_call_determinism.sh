@@ -6,8 +6,7 @@
 # replay's second run, skipped by the first call's deadline, sent again alone; then the SDP4Bit part).
 # usage: bash THIS COMMIT BUDGET_S [zero3|sdp4bit|both]
 commit=$1; budget=$2; what=${3:-both}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 SDP4BIT_COMMIT=$commit TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
 twice() {  # CONFIG OUTPREFIX
   for i in 1 2; do
@@ -16,6 +15,6 @@ twice() {  # CONFIG OUTPREFIX
 }
 case "$what" in zero3|both) twice zero3:replay d ;; esac
 case "$what" in sdp4bit|both)
-  python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; echo "built at $SECONDS s"
+  build_kernels
   twice sdp4bit s ;; esac
-tar czf /tmp/results.tgz -C $OUT . && find $OUT -mindepth 1 -delete && mv /tmp/results.tgz $OUT/
+pack_out

@@ -21,17 +21,18 @@
 #           algorithms, with the 100-step warm-up under which the simulation met the +0.3% goal
 #           (DET=1 adds --deterministic to every accuracy run; repeats then give the same losses, checked at 79adf81);
 #           run in the fifteenth session for seeds 1-4 (two calls per pair of seeds on 2 x H200)
+#           (sixteenth session: every GPU of the host, one seed per GPU; KTEST=1 adds the CUDA kernel tests)
 # usage: bash THIS COMMIT BUDGET_S const|abl|w1b|set
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
 [ -n "$WARMUP" ] && [ "$3" != set ] && { echo "WARMUP is for the set mode" >&2; exit 2; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=$commit
-find /tmp/torch_extensions -name lock -delete 2>/dev/null
+source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-G=$(nvidia-smi -L | wc -l); last=$((G - 1)); [ $last -gt 1 ] && last=1
+G=$(nvidia-smi -L | wc -l); last=$((G - 1)); [ $last -gt 1 ] && [ "$3" != set ] && last=1
 # the kernels built once before the runs side by side (each would otherwise build them at once)
-python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; echo "built at $SECONDS s"
+build_kernels
+# KTEST=1: the CUDA kernels' bit-exact tests against the reference beside the runs, on the last GPU
+[ -n "$KTEST" ] && (CUDA_VISIBLE_DEVICES=$last python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py > $OUT/kernel_tests.txt 2>&1; tail -1 $OUT/kernel_tests.txt) &
 acc() {  # GPU OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
   local g=$1 name=$2; shift 2
   CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu ${DET:+--deterministic} "$@" --checkpoint-root /tmp/acc_ckpt${DET:+_det}${WARMUP:+_w$WARMUP} --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
@@ -45,7 +46,7 @@ const)
   wait; grep -h "\[accuracy\].*: " $OUT/c_*.log ;;
 set)   [ -n "$WARMUP" ] && [ "${SCHED:-}" != cosine ] && { echo "WARMUP needs SCHED=cosine" >&2; exit 2; }
        # SEEDS="..." SCHED=constant|cosine [WARMUP=N] [DET=1]: per seed the replay, SDP4Bit 2x2 and 4x1; the k-th seed of
-       # the list on GPU k mod 2 (GPU 0 only where one is visible)
+       # the list on GPU k mod G, every GPU of the host (sixteenth session; up to then GPU k mod 2)
   i=0; for s in ${SEEDS:?set SEEDS}; do g=$(( i % (last + 1) )); i=$((i + 1))
     for v in "2x2 zero3:replay" "2x2 sdp4bit" "4x1 sdp4bit"; do set -- $v
       acc $g s_${2%%:*}_$1_s$s --topologies $1 --configs $2 --seeds $s --schedules ${SCHED:?set SCHED} ${WARMUP:+--warmup $WARMUP}; done; done
@@ -63,5 +64,4 @@ w1b)
   wait; grep -h "\[e2e\]" $OUT/w1_*.log ;;
 *) echo "usage: $0 COMMIT BUDGET_S const|abl|w1b|set" >&2; exit 2 ;;
 esac
-# (packed outside $OUT, then moved in: a tar written into the folder it reads fails with "file changed")
-tar czf /tmp/results.tgz -C $OUT . && find $OUT -mindepth 1 -delete && mv /tmp/results.tgz $OUT/
+pack_out

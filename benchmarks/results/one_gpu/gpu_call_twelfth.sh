@@ -18,9 +18,7 @@
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).  The first call of the session
 # returned 8 of its files: the world-1 part was run again (w1), so its 1x4 rows are those of the first call.
 commit=$1; budget=$2
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=$commit
-find /tmp/torch_extensions -name lock -delete 2>/dev/null
+source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 T=40; [ "$3" = long ] && T=300
 P="--paired --slow --warmup 3 --timed $T --profile-steps 3"
@@ -42,10 +40,8 @@ w1x4|w1x4r|w1x4b)
 nvr)
   for m in 406M 1.3B; do python3 -m benchmarks e2e --transport nvlink --models $m --topologies 1x4 --configs sdp4bit zero3 --paired --slow --warmup 3 --timed 200 --timeout 240 --out $OUT/nr_$m --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
 nvlink)
-  python3 -c "from deepspeed.ops.op_builder import QuantizerBuilder; QuantizerBuilder().load()" > /tmp/dsq.txt 2>&1 & q=$!; python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; wait $q; tail -1 /tmp/dsq.txt
-  echo "built at $SECONDS s"
+  python3 -c "from deepspeed.ops.op_builder import QuantizerBuilder; QuantizerBuilder().load()" > /tmp/dsq.txt 2>&1 & q=$!; build_kernels; wait $q; tail -1 /tmp/dsq.txt
   for i in 1 2; do python3 -m benchmarks e2e --transport nvlink --models 406M --topologies 2x2 --configs zeropp sdp4bit zero3 --slow --timed 12 --timeout 90 --out $OUT/nv --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
 *) echo "usage: $0 COMMIT BUDGET_S paired|nvlink|long|w1|w1x4|w1x4r|w1x4b|nvr" >&2; exit 2 ;;
 esac
-# (packed outside $OUT, then moved in: a tar written into the folder it reads fails with "file changed")
-tar czf /tmp/results.tgz -C $OUT . && find $OUT -mindepth 1 -delete && mv /tmp/results.tgz $OUT/
+pack_out
