@@ -714,15 +714,23 @@ def _smooth(xs: Sequence[float], w: int) -> List[float]:
 
 
 def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path, smooth: int) -> bool:
-    groups = {k: g for k, g in _acc_groups(rows).items() if "zero3" in g and len(g) > 1}
+    """One panel per training (model, ranks, schedule, steps) with ZeRO-3 and another config, three panels a row:
+    the train loss against ZeRO-3's mean in %, smoothed, one line per config (the mean of its runs), ZeRO-3's runs'
+    band shaded.  Trainings shorter than ``HEADLINE_MIN_STEPS`` (checks such as the determinism repeats) are left out,
+    as they are from the README's loss table."""
+    groups = {k: g for k, g in _acc_groups(rows).items() if "zero3" in g and len(g) > 1 and k[2] >= HEADLINE_MIN_STEPS}
     if not groups:
         return False
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.5), squeeze=False)
-    for ax, ((ranks, sched, steps, model), g) in zip(axes[0], sorted(groups.items(), key=_acc_order)):
+    ncols = min(3, len(groups))
+    nrows = -(-len(groups) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.5 * ncols, 4.5 * nrows), squeeze=False)
+    for ax in axes.flat[len(groups):]:
+        ax.set_visible(False)
+    for ax, ((ranks, sched, steps, model), g) in zip(axes.flat, sorted(groups.items(), key=_acc_order)):
         ref_curves = [_smooth(losses[r["row_id"]], smooth) for r in g["zero3"] if r["row_id"] in losses]
         if not ref_curves:
             continue

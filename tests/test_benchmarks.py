@@ -610,6 +610,27 @@ def test_accuracy_table_pairs_seeds_and_counts_runs_finished_before_their_timeou
     assert "40 steps" not in report.goals_table([], short, None)
 
 
+def test_accuracy_png_has_a_panel_per_training_of_100_steps_or_more(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    rows = [_acc_row("zero3:replay", "4r", 1, 2.0, 2.2), _acc_row("zero3:replay", "4r", 2, 1.8, 2.0),
+            _acc_row("sdp4bit", "2x2", 1, 2.02, 2.2)]
+    losses = {r["row_id"]: [3.0 - 0.001 * i for i in range(500)] for r in rows}
+    # a 40-step check alone draws nothing: no file
+    short = [dict(r, steps=40, steps_done=40, row_id=r["row_id"] + "_40") for r in rows]
+    short_losses = {r["row_id"]: [3.0] * 40 for r in short}
+    assert not report.accuracy_png(short, short_losses, tmp_path / "a.png", 5) and not (tmp_path / "a.png").exists()
+    # four trainings of >= 100 steps (and the check): four panels, three a row, the fifth axis hidden
+    import matplotlib.pyplot as plt
+    made = []
+    real = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: made.append(a) or real(*a, **k))
+    more = [dict(r, schedule=s, row_id=f"{r['row_id']}_{s}") for s in ("constant", "cosine-w100", "cosine-w25")
+            for r in rows]
+    all_losses = {**losses, **short_losses, **{r["row_id"]: losses[r["row_id"].rsplit("_", 1)[0]] for r in more}}
+    assert report.accuracy_png(rows + short + more, all_losses, tmp_path / "b.png", 5)
+    assert (tmp_path / "b.png").stat().st_size > 0 and made == [(2, 3)]
+
+
 def test_stand_ins_from_other_runs_are_the_nearest_in_time():
     """A baseline or a link rate from another run is the one measured nearest in time to the row (the loopback
     differs from call to call), not the newest; rows without times fall back to the newest."""
