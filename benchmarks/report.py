@@ -599,13 +599,19 @@ def _chain_of(rows: Sequence[dict]) -> Dict[str, List[dict]]:
     return out
 
 
-def _chain_value(chain: Sequence[dict], key: str) -> Optional[str]:
-    """The machine or commit (``key``) of a run's parts: the one value, "A + B" where they differ, None where
-    a part does not say."""
+def _chain_values(chain: Sequence[dict], key: str) -> Optional[List[str]]:
+    """The distinct machines or commits (``key``) of a run's parts, in part order; None where a part does not say."""
     vals = [r.get(key) for r in chain]
     if any(v is None for v in vals):
         return None
-    return " + ".join(dict.fromkeys(vals))
+    return list(dict.fromkeys(vals))
+
+
+def _chain_value(chain: Sequence[dict], key: str) -> Optional[str]:
+    """The machine or commit (``key``) of a run's parts as a label: the one value, "A + B" where they differ, None
+    where a part does not say."""
+    vals = _chain_values(chain, key)
+    return None if vals is None else " + ".join(vals)
 
 
 def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps: int = 10) -> str:
@@ -619,9 +625,10 @@ def repeat_check(rows: Sequence[dict], losses: Dict[str, List[float]], min_steps
     groups: Dict[tuple, List[dict]] = {}
     for r in _runs_with_losses(rows, losses, min_steps):
         chain = chains.get(r.get("row_id"), [r])
-        machine, commit = _chain_value(chain, "machine"), _chain_value(chain, "commit")
-        if machine is None or commit is None or " + " in machine or " + " in commit:
-            continue
+        machines, commits = _chain_values(chain, "machine"), _chain_values(chain, "commit")
+        if machines is None or commits is None or len(machines) != 1 or len(commits) != 1:
+            continue   # parts on different machines or commits, or one that does not say: no repeat of anything
+        machine, commit = machines[0], commits[0]
         key = _run_setting(r) + (r.get("variant"), r.get("topology"), r.get("seed"), commit)
         groups.setdefault(key, []).append((machine, r))
     out, across = [], []

@@ -1277,6 +1277,9 @@ def test_repeat_check_compares_repeats_of_one_run_step_by_step():
     losses.update({"p/z": [3.0] * 10, "w/z": [3.0] * 20})
     assert report.repeat_check([part, whole, j], losses) == ""
     assert report.repeat_check([dict(part, machine="m", commit="old"), whole, a], losses) == ""   # two commits
+    # one machine whose recorded name happens to hold " + " is one machine: its runs are repeats
+    plus = [dict(part, machine="A + B"), dict(whole, machine="A + B"), dict(j, machine="A + B")]
+    assert "2 runs (A + B, c)" in report.repeat_check(plus, losses)
     # a part that two runs both list (a fork) stands for one run, not two repeats of itself
     fork = [dict(part, machine="m", steps_done=20), dict(a, row_id="f1/z", earlier_parts=["p/z"], status="failed",
                                                            steps_done=0),
