@@ -5,7 +5,9 @@
 #           GPU (GPU 0 both seeds where only one is visible)
 #   abl     issue 21's ablations in the real engine at 2x2, warm-up + cosine (the rows of seed 1's replay and shipped
 #           config are committed): qWD only, TLq-HS only, TLq (no Hadamard), qW, ZeRO++ (qwZ + qgZ), seed 1, side by
-#           side, spread over the GPUs
+#           side, spread over the GPUs; since the sixteenth session also SEEDS="...", SCHED, WARMUP=N and DET=1 as in
+#           set (e.g. the seeds whose replay and default ran under the 100-step warm-up), every config x seed dealt
+#           round-robin over every GPU of the host (planned, not run)
 #   w1b     issue 20's world-size-1 goal with both build orders in ONE call: each GPU runs one model twice, one
 #           paired process after the other, the engines built in one order and then in the other (GPU 0: 1.3B,
 #           ZeRO-3's engine first, then SDP4Bit's; GPU 1: 406M, SDP4Bit's first, then ZeRO-3's),
@@ -25,10 +27,10 @@
 # usage: bash THIS COMMIT BUDGET_S const|abl|w1b|set
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
-[ -n "$WARMUP" ] && [ "$3" != set ] && { echo "WARMUP is for the set mode" >&2; exit 2; }
+[ -n "$WARMUP" ] && [ "$3" != set ] && [ "$3" != abl ] && { echo "WARMUP is for the set and abl modes" >&2; exit 2; }
 source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-G=$(nvidia-smi -L | wc -l); last=$((G - 1)); [ $last -gt 1 ] && [ "$3" != set ] && last=1
+G=$(nvidia-smi -L | wc -l); last=$((G - 1))
 # the kernels built once before the runs side by side (each would otherwise build them at once)
 build_kernels
 # KTEST=1: the CUDA kernels' bit-exact tests against the reference beside the runs, on the last GPU
@@ -51,8 +53,10 @@ set)   [ -n "$WARMUP" ] && [ "${SCHED:-}" != cosine ] && { echo "WARMUP needs SC
     for v in "2x2 zero3:replay" "2x2 sdp4bit" "4x1 sdp4bit"; do set -- $v
       acc $g s_${2%%:*}_$1_s$s --topologies $1 --configs $2 --seeds $s --schedules ${SCHED:?set SCHED} ${WARMUP:+--warmup $WARMUP}; done; done
   wait; grep -h "\[accuracy\].*: " $OUT/s_*.log ;;
-abl)
-  i=0; for c in ${ABL:-qwd tlq_hs tlq qw zeropp}; do acc $(( i % (last + 1) )) a_$c --topologies 2x2 --configs $c --seeds 1 --schedules cosine; i=$((i + 1)); done
+abl)   # [ABL="..."] [SEEDS="..."] [SCHED=...] [WARMUP=N] [DET=1]: each config x seed at 2x2, dealt round-robin over the GPUs
+  [ -n "$WARMUP" ] && [ "${SCHED:-cosine}" != cosine ] && { echo "WARMUP needs SCHED=cosine" >&2; exit 2; }
+  i=0; for s in ${SEEDS:-1}; do for c in ${ABL:-qwd tlq_hs tlq qw zeropp}; do
+    acc $(( i % (last + 1) )) a_${c}_s$s --topologies 2x2 --configs $c --seeds $s --schedules ${SCHED:-cosine} ${WARMUP:+--warmup $WARMUP}; i=$((i + 1)); done; done
   wait; grep -h "\[accuracy\].*: " $OUT/a_*.log ;;
 w1b)
   w1() {  # GPU MODEL CONFIGS...
