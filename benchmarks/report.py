@@ -725,7 +725,7 @@ def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path
     the train loss against ZeRO-3's mean in %, smoothed, one line per config (the mean of its runs), ZeRO-3's runs'
     band shaded.  Trainings shorter than ``HEADLINE_MIN_STEPS`` (checks such as the determinism repeats) are left out,
     as they are from the README's loss table."""
-    groups = {k: g for k, g in _acc_groups(rows).items() if "zero3" in g and len(g) > 1 and k[2] >= HEADLINE_MIN_STEPS}
+    groups = {k: g for k, g in _acc_groups(rows).items() if "zero3" in g and len(g) > 1 and (k[2] or 0) >= HEADLINE_MIN_STEPS}
     if not groups:
         return False
     import matplotlib

@@ -619,16 +619,23 @@ def test_accuracy_png_has_a_panel_per_training_of_100_steps_or_more(tmp_path, mo
     short = [dict(r, steps=40, steps_done=40, row_id=r["row_id"] + "_40") for r in rows]
     short_losses = {r["row_id"]: [3.0] * 40 for r in short}
     assert not report.accuracy_png(short, short_losses, tmp_path / "a.png", 5) and not (tmp_path / "a.png").exists()
-    # four trainings of >= 100 steps (and the check): four panels, three a row, the fifth axis hidden
+    # four trainings of >= 100 steps (and the check): four panels, three a row, the last two axes hidden
     import matplotlib.pyplot as plt
     made = []
     real = plt.subplots
-    monkeypatch.setattr(plt, "subplots", lambda *a, **k: made.append(a) or real(*a, **k))
+    figs = []
+
+    def subplots(*a, **k):
+        made.append(a)
+        figs.append(real(*a, **k))
+        return figs[-1]
+    monkeypatch.setattr(plt, "subplots", subplots)
     more = [dict(r, schedule=s, row_id=f"{r['row_id']}_{s}") for s in ("constant", "cosine-w100", "cosine-w25")
             for r in rows]
     all_losses = {**losses, **short_losses, **{r["row_id"]: losses[r["row_id"].rsplit("_", 1)[0]] for r in more}}
     assert report.accuracy_png(rows + short + more, all_losses, tmp_path / "b.png", 5)
     assert (tmp_path / "b.png").stat().st_size > 0 and made == [(2, 3)]
+    assert [ax.get_visible() for ax in figs[0][1].flat] == [True] * 4 + [False] * 2
 
 
 def test_stand_ins_from_other_runs_are_the_nearest_in_time():

@@ -1,5 +1,6 @@
 #!/bin/bash
-# Fourteenth session's device calls (run from the repository root with .whl/ carried) on a host of 1 or 2 GPUs:
+# Fourteenth session's device calls (run from the repository root with .whl/ carried) on a host of 1-4 GPUs (up to the
+# fifteenth session 1 or 2; const puts seed 3 on the host's last GPU, w1b uses GPUs 0 and 1):
 #   const   issue 21's constant-lr 86M runs for data seeds 2 and 3 (seed 1 has them since e77152b): the ZeRO-3 replay,
 #           SDP4Bit 2x2 and SDP4Bit 4x1, 500 steps, each run its own process side by side, each seed on its own
 #           GPU (GPU 0 both seeds where only one is visible)
@@ -28,13 +29,16 @@
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
 [ -n "$WARMUP" ] && [ "$3" != set ] && [ "$3" != abl ] && { echo "WARMUP is for the set and abl modes" >&2; exit 2; }
+[ -n "$KTEST" ] && { [ "$3" = set ] || [ "$3" = abl ]; } && [ "$KTEST" != 1 ] && { echo "KTEST: 1 or unset" >&2; exit 2; }
+[ -n "$KTEST" ] && [ "$3" != set ] && [ "$3" != abl ] && { echo "KTEST is for the set and abl modes" >&2; exit 2; }
 source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 G=$(nvidia-smi -L | wc -l); last=$((G - 1))
 # the kernels built once before the runs side by side (each would otherwise build them at once)
 build_kernels
-# KTEST=1: the CUDA kernels' bit-exact tests against the reference beside the runs, on the last GPU
-[ -n "$KTEST" ] && (CUDA_VISIBLE_DEVICES=$last python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py > $OUT/kernel_tests.txt 2>&1; tail -1 $OUT/kernel_tests.txt) &
+# KTEST=1 (set and abl only: beside a timing mode it would skew the timings): the CUDA kernels' bit-exact tests
+# against the reference beside the runs, on the last GPU
+[ "$KTEST" = 1 ] && (CUDA_VISIBLE_DEVICES=$last python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py > $OUT/kernel_tests.txt 2>&1; tail -1 $OUT/kernel_tests.txt) &
 acc() {  # GPU OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
   local g=$1 name=$2; shift 2
   CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu ${DET:+--deterministic} "$@" --checkpoint-root /tmp/acc_ckpt${DET:+_det}${WARMUP:+_w$WARMUP} --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &

@@ -40,7 +40,7 @@ w1x4|w1x4r|w1x4b)
 nvr)
   for m in 406M 1.3B; do python3 -m benchmarks e2e --transport nvlink --models $m --topologies 1x4 --configs sdp4bit zero3 --paired --slow --warmup 3 --timed 200 --timeout 240 --out $OUT/nr_$m --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
 nvlink)
-  python3 -c "from deepspeed.ops.op_builder import QuantizerBuilder; QuantizerBuilder().load()" > /tmp/dsq.txt 2>&1 & q=$!; build_kernels; wait $q; tail -1 /tmp/dsq.txt
+  python3 -c "from deepspeed.ops.op_builder import QuantizerBuilder; QuantizerBuilder().load()" > /tmp/dsq.txt 2>&1 & q=$!; build_kernels; wait $q; tail -1 /tmp/dsq.txt; echo "both built at $SECONDS s"
   for i in 1 2; do python3 -m benchmarks e2e --transport nvlink --models 406M --topologies 2x2 --configs zeropp sdp4bit zero3 --slow --timed 12 --timeout 90 --out $OUT/nv --deadline $((budget-SECONDS)) 2>&1 | grep "\[e2e\]"; done ;;
 *) echo "usage: $0 COMMIT BUDGET_S paired|nvlink|long|w1|w1x4|w1x4r|w1x4b|nvr" >&2; exit 2 ;;
 esac
