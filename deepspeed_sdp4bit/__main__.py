@@ -341,8 +341,8 @@ def format_plan(p: Dict[str, Any]) -> str:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m deepspeed_sdp4bit", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ds-config", help="a ds_config JSON file to validate and plan")
-    ap.add_argument("--world", type=int, help="number of ranks (GPUs) of the job")
+    ap.add_argument("--ds-config", help="a ds_config JSON file to validate and plan (needs --world)")
+    ap.add_argument("--world", type=int, help="number of ranks (GPUs) of the job (required with --ds-config)")
     ap.add_argument("--gpus-per-node", type=int, help="ranks per host (what the launcher sets as LOCAL_WORLD_SIZE)")
     ap.add_argument("--params", type=float, help="model parameters, e.g. 1.3e9: prints bytes per step per GPU")
     ap.add_argument("--device-memory-gb", type=float,

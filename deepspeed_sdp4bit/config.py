@@ -284,12 +284,34 @@ def _wants_int(annotation) -> bool:
     return any(_wants_int(a) or (isinstance(a, int) and not isinstance(a, bool)) for a in get_args(annotation))
 
 
+def _json_kind(annotation) -> Optional[str]:
+    """The JSON type a field takes: "boolean", "integer", "number", or None (strings, sections)."""
+    args = [a for a in get_args(annotation) if a is not type(None)] or [annotation]
+    if all(a is bool for a in args):
+        return "boolean"
+    if _wants_int(annotation):
+        return "integer"
+    if all(a is float for a in args):
+        return "number"
+    return None
+
+
+def _json_type(value) -> str:
+    return {bool: "a boolean", str: "a string", int: "an integer", float: "a number", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+_KIND_WORDS = {"boolean": "`true` or `false`", "integer": "an integer", "number": "a number"}
+
+
 def _raw_problems(block: Dict[str, Any], model, prefix: str) -> List[str]:
-    """What pydantic would not say about the raw JSON values: "auto" strings, booleans for integer keys.
+    """What pydantic would not say about the raw JSON values: "auto" strings, values of the wrong JSON type.
 
     "auto" is refused in every key: Hugging Face accelerate treats ANY "auto" in a ds_config as its own
     placeholder to fill (and raises for keys it does not know), so our automatic choices are omitted keys.
-    pydantic's lax mode would turn ``true`` into 1 for an integer key: refused here, naming the key.
+    pydantic's lax mode would read ``true`` as 1 for an integer key, ``"4"`` as 4, and ``"no"``, ``"off"`` or
+    ``0`` as false for a boolean key (so a typo'd word could switch a feature off): a value whose JSON type
+    is not the key's is refused here, naming the key and what was given.
     """
     out = []
     for key, value in block.items():
@@ -302,8 +324,12 @@ def _raw_problems(block: Dict[str, Any], model, prefix: str) -> List[str]:
             out.append(f"{path}: {json.dumps(value)} is not a value here; omit the key for "
                        + (f"the automatic choice ({meant})" if meant else "its default")
                        + ' (Hugging Face accelerate reserves "auto" in a ds_config for its own placeholders)')
-        elif isinstance(value, bool) and _wants_int(field.annotation):
-            out.append(f"{path}: must be an integer, got {json.dumps(value)}")
+        elif (kind := _json_kind(field.annotation)) is not None and not (
+                value is None and type(None) in get_args(field.annotation)) and not (
+                isinstance(value, bool) if kind == "boolean"
+                else isinstance(value, (int, float)) and not isinstance(value, bool)):
+            got = json.dumps(value, default=str) + ("" if value is None else f" ({_json_type(value)})")
+            out.append(f"{path}: must be {_KIND_WORDS[kind]}, got {got}")
         elif isinstance(value, dict) and isinstance(field.annotation, type) and issubclass(field.annotation, _Strict):
             out += _raw_problems(value, field.annotation, path + ".")
     return out

@@ -284,6 +284,9 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
         w = w.model_copy(update={"enabled": False})
         notes.append("weights: left to ZeRO-3 (a node replica on one node is each rank's own partition: there is "
                      "no copy to refresh)")
+    if w.enabled and w.overlap and w.replica == "node":
+        notes.append("weights.overlap: applies to the full replica only; the node replica's refresh runs inside "
+                     "step(), not overlapped")
     cfg = cfg.model_copy(update={"weights": w})
     if not cfg.active:
         return RunPlan(ds_config, cfg.model_copy(update={"enabled": False}), "; ".join(notes), notes)
@@ -731,6 +734,8 @@ class _Replica:
         self._dirty: set = set()
         dev = self.flat[0].device if self.flat and self.flat[0] is not None else None
         self._stream = None
+        if self.level == "full" and wcfg.overlap and dev is not None and dev.type != "cuda":
+            _say(f"weights.overlap: needs a CUDA device (a side stream); on {dev.type} the refresh runs inside step()")
         if self.level == "full" and wcfg.overlap and dev is not None and dev.type == "cuda":
             self._stream = torch.cuda.Stream(device=dev)
             self._events = [torch.cuda.Event() for _ in range(self.n_stages)]

@@ -170,6 +170,31 @@ def test_booleans_are_not_integers(block, where):
         parse_block(block)
 
 
+@pytest.mark.parametrize("block,where,said", [
+    ({"gradients": {"inter_bits": "4"}}, "sdp4bit.gradients.inter_bits", 'an integer, got "4" (a string)'),
+    ({"gradients": {"group_size": "2048"}}, "sdp4bit.gradients.group_size", 'an integer, got "2048" (a string)'),
+    ({"weights": {"full_replica_budget": "0.5"}}, "sdp4bit.weights.full_replica_budget",
+     'a number, got "0.5" (a string)'),
+    ({"weights": {"full_replica_budget": False}}, "sdp4bit.weights.full_replica_budget",
+     "a number, got false (a boolean)"),
+    # lax pydantic reads these words and numbers as booleans: a typo'd word could switch a feature off
+    ({"gradients": {"hadamard": "no"}}, "sdp4bit.gradients.hadamard", '`true` or `false`, got "no" (a string)'),
+    ({"enabled": "off"}, "sdp4bit.enabled", '`true` or `false`, got "off" (a string)'),
+    ({"quantize_single_node": 1}, "sdp4bit.quantize_single_node", "`true` or `false`, got 1 (an integer)"),
+    ({"weights": {"overlap": None}}, "sdp4bit.weights.overlap", "`true` or `false`, got null"),
+    ({"gradients": {"group_size": [128]}}, "sdp4bit.gradients.group_size", "an integer, got [128] (a list)"),
+])
+def test_a_value_of_the_wrong_json_type_is_refused_naming_what_was_given(block, where, said):
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_block(block)
+    assert f"{where}: must be {said}" in str(e.value)
+
+
+def test_numbers_of_either_json_kind_and_null_where_allowed_still_read():
+    c = parse_block({"weights": {"full_replica_budget": 1, "bits": 4.0}, "topology": {"gpus_per_node": None}})
+    assert c.weights.full_replica_budget == 1.0 and c.weights.bits == 4 and c.topology.gpus_per_node is None
+
+
 def test_booleans_still_fine_for_boolean_keys():
     c = parse_block({"enabled": True, "gradients": {"hadamard": False}})
     assert c.active and not c.gradients.hadamard

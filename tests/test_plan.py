@@ -102,6 +102,15 @@ def test_explicit_replica_is_kept_whatever_the_size():
         plan_run(_ds({"topology": {"gpus_per_node": 1}, "weights": {"replica": "node"}}), 4)
 
 
+def test_overlap_with_the_node_replica_is_said_not_silently_dropped():
+    block = {"topology": {"gpus_per_node": 2}, "weights": {"replica": "node", "overlap": True}}
+    plan = plan_run(_ds(block), 4)
+    assert plan.cfg.weights.replica == "node" and any("weights.overlap" in n and "full replica only" in n
+                                                       for n in plan.notes)
+    full = plan_run(_ds({**block, "weights": {"replica": "full", "overlap": True}}), 4)
+    assert not any("overlap" in n for n in full.notes)
+
+
 def test_world_size_one_needs_no_topology(monkeypatch):
     # python train.py / a notebook: no launcher variables; a cluster's gpus_per_node in the file
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
