@@ -1184,7 +1184,19 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
     state.resync(opt)
     engine.sdp4bit = state
     engine.sdp4bit_summary = state.summary
+    _say(_on_line(state))
     return state
+
+
+def _on_line(state: "SDP4BitState") -> str:
+    """The start-up line that says SDP4Bit is on and what it sends (a user's check that the import took)."""
+    topo, g, w = state.topology, state.cfg.gradients, state.cfg.weights
+    weights = (f"{w.bits}-bit differences to the {state.level!r} replica" if state.weights is not None
+               else "ZeRO-3's bf16 gathers")
+    grads = (f"{g.intra_bits}-bit inside a node, {g.inter_bits}-bit between nodes" if state.reducer is not None
+             else "ZeRO-3's reduce-scatter")
+    return (f"on: {topo.num_nodes} node(s) x {topo.gpus_per_node} rank(s); weights: {weights}; gradients: {grads} "
+            f"(engine.sdp4bit_summary() after a step)")
 
 
 # ----------------------------------------------------------------------------------------------------------

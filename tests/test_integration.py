@@ -748,7 +748,9 @@ def _pipeline_worker(rank, world, backend, steps):
         if name in ("sr2", "ef", "inter8", "i8first2") and backend != "torch":
             continue
         chunks.clear()
+        n_said = len(said)
         e = du.make_engine(du.base_config(sdp4bit=block(backend, gradients=grads)))
+        res[name + "_on"] = [m for m in said[n_said:] if m.startswith("sdp4bit: on:")]
         res[name] = du.train_steps(e, steps, rank)
         if name == "ef":   # one residual per (bucket, chunk, size): the same buckets every step, so one more
             # step adds none
@@ -798,6 +800,10 @@ def test_pipeline_chunks_in_the_engine(variant):
         assert r["i8first2"][3:] != r["inter8"][3:]
         assert r["i8_said"] == ["sdp4bit: step 2: the inter-node gradient level now at 4 bits (gradients.inter8_steps)"]
         assert all(not x["i8_said"] for x in runs[1:])   # rank 0 only
+        # the start-up line that says it is on, and what it sends (rank 0 only, once per engine)
+        assert len(r["inter8_on"]) == 1 and all(not x["inter8_on"] for x in runs[1:])
+        assert "gradients: 8-bit inside a node, 8-bit between nodes" in r["inter8_on"][0]
+        assert "2 node(s) x 2 rank(s)" in r["inter8_on"][0] and r["sr2_on"] != r["inter8_on"]
         grads = {k: r[k + "_summary"]["gradients"]["bytes_by_level"] for k in ("i8first2", "sr2", "inter8")}
         assert grads["i8first2"] == grads["sr2"] and grads["sr2"]["inter"] < grads["inter8"]["inter"]
 
