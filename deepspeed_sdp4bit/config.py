@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import numbers
 from typing import Any, Dict, List, Literal, Optional, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -296,6 +297,15 @@ def _json_kind(annotation) -> Optional[str]:
     return None
 
 
+def _is_bool(value) -> bool:
+    # (numpy's too, as a dict built in Python may carry: np.bool_, called np.bool since numpy 2)
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not _is_bool(value)   # (numpy's numbers too)
+
+
 def _json_type(value) -> str:
     return {bool: "a boolean", str: "a string", int: "an integer", float: "a number", list: "a list",
             dict: "an object"}.get(type(value), type(value).__name__)
@@ -326,9 +336,9 @@ def _raw_problems(block: Dict[str, Any], model, prefix: str) -> List[str]:
                        + ' (Hugging Face accelerate reserves "auto" in a ds_config for its own placeholders)')
         elif (kind := _json_kind(field.annotation)) is not None and not (
                 value is None and type(None) in get_args(field.annotation)) and not (
-                isinstance(value, bool) if kind == "boolean"
-                else isinstance(value, (int, float)) and not isinstance(value, bool)):
-            got = json.dumps(value, default=str) + ("" if value is None else f" ({_json_type(value)})")
+                _is_bool(value) if kind == "boolean" else _is_number(value)):
+            plain = value is None or type(value) in (bool, int, float, str, list, dict)
+            got = (json.dumps(value) if plain else repr(value)) + ("" if value is None else f" ({_json_type(value)})")
             out.append(f"{path}: must be {_KIND_WORDS[kind]}, got {got}")
         elif isinstance(value, dict) and isinstance(field.annotation, type) and issubclass(field.annotation, _Strict):
             out += _raw_problems(value, field.annotation, path + ".")

@@ -1191,10 +1191,22 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
 def _on_line(state: "SDP4BitState") -> str:
     """The start-up line that says SDP4Bit is on and what it sends (a user's check that the import took)."""
     topo, g, w = state.topology, state.cfg.gradients, state.cfg.weights
-    weights = (f"{w.bits}-bit differences to the {state.level!r} replica" if state.weights is not None
-               else "ZeRO-3's bf16 gathers")
-    grads = (f"{g.intra_bits}-bit inside a node, {g.inter_bits}-bit between nodes" if state.reducer is not None
-             else "ZeRO-3's reduce-scatter")
+    if state.weights is None:
+        weights = "ZeRO-3's gathers"
+    elif w.mode == "direct":
+        weights = f"{w.bits}-bit weights themselves (the qW ablation), {state.level!r} replica"
+    else:
+        weights = f"{w.bits}-bit differences to the {state.level!r} replica"
+    if state.reducer is None:
+        grads = "ZeRO-3's reduce-scatter"
+    else:
+        levels = []
+        if topo.gpus_per_node > 1:
+            levels.append(f"{g.intra_bits}-bit inside a node")
+        if topo.num_nodes > 1:
+            levels.append(f"{g.inter_bits}-bit between nodes"
+                          + (f" (8-bit for the first {g.inter8_steps} steps)" if g.inter8_steps else ""))
+        grads = ", ".join(levels)
     return (f"on: {topo.num_nodes} node(s) x {topo.gpus_per_node} rank(s); weights: {weights}; gradients: {grads} "
             f"(engine.sdp4bit_summary() after a step)")
 

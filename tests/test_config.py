@@ -193,6 +193,12 @@ def test_a_value_of_the_wrong_json_type_is_refused_naming_what_was_given(block, 
 def test_numbers_of_either_json_kind_and_null_where_allowed_still_read():
     c = parse_block({"weights": {"full_replica_budget": 1, "bits": 4.0}, "topology": {"gpus_per_node": None}})
     assert c.weights.full_replica_budget == 1.0 and c.weights.bits == 4 and c.topology.gpus_per_node is None
+    # a ds_config built in Python may carry numpy scalars: read as their JSON kinds
+    np = pytest.importorskip("numpy")
+    c = parse_block({"seed": np.int64(4), "weights": {"full_replica_budget": np.float32(0.5), "overlap": np.bool_(True)}})
+    assert c.seed == 4 and c.weights.full_replica_budget == 0.5 and c.weights.overlap is True
+    with pytest.raises(SDP4BitConfigError, match=r"sdp4bit\.weights\.overlap: must be `true` or `false`, got np\.int64\(1\)"):
+        parse_block({"weights": {"overlap": np.int64(1)}})
 
 
 def test_booleans_still_fine_for_boolean_keys():

@@ -111,6 +111,28 @@ def test_overlap_with_the_node_replica_is_said_not_silently_dropped():
     assert not any("overlap" in n for n in full.notes)
 
 
+@pytest.mark.parametrize("nodes,gpn,block,want", [
+    (2, 2, {}, "weights: 4-bit differences to the 'full' replica; gradients: 8-bit inside a node, 4-bit between nodes"),
+    (2, 1, {"gradients": {"inter8_steps": 100}}, "gradients: 4-bit between nodes (8-bit for the first 100 steps)"),
+    (1, 4, {}, "gradients: 8-bit inside a node ("),
+    (2, 2, {"weights": {"mode": "direct"}}, "weights: 4-bit weights themselves (the qW ablation), 'full' replica"),
+    (2, 2, {"weights": {"enabled": False}, "gradients": {"enabled": False}},
+     "weights: ZeRO-3's gathers; gradients: ZeRO-3's reduce-scatter"),
+])
+def test_the_start_up_line_names_the_levels_that_run(nodes, gpn, block, want):
+    from types import SimpleNamespace
+
+    from deepspeed_sdp4bit.config import parse_block
+    from deepspeed_sdp4bit.integration import _on_line
+
+    cfg = parse_block({**block, "weights": {"replica": "full", **block.get("weights", {})}})
+    state = SimpleNamespace(topology=SimpleNamespace(num_nodes=nodes, gpus_per_node=gpn), cfg=cfg,
+                            weights=object() if cfg.weights.enabled else None, level=cfg.weights.replica,
+                            reducer=object() if cfg.gradients.enabled else None)
+    line = _on_line(state)
+    assert line.startswith(f"on: {nodes} node(s) x {gpn} rank(s); ") and want in line, line
+
+
 def test_world_size_one_needs_no_topology(monkeypatch):
     # python train.py / a notebook: no launcher variables; a cluster's gpus_per_node in the file
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
