@@ -306,9 +306,17 @@ def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not _is_bool(value)   # (numpy's numbers too)
 
 
-def _json_type(value) -> str:
-    return {bool: "a boolean", str: "a string", int: "an integer", float: "a number", list: "a list",
-            dict: "an object"}.get(type(value), type(value).__name__)
+_JSON_TYPES = {bool: "a boolean", str: "a string", int: "an integer", float: "a number", list: "a list",
+               dict: "an object"}   # what json.loads gives, in words
+
+
+def _said(value) -> str:
+    """A raw value as an error shows it: JSON with its type in words (null alone), else its repr and type name."""
+    if value is None:
+        return "null"
+    if type(value) in _JSON_TYPES:
+        return f"{json.dumps(value)} ({_JSON_TYPES[type(value)]})"
+    return f"{value!r} ({type(value).__name__})"
 
 
 _KIND_WORDS = {"boolean": "`true` or `false`", "integer": "an integer", "number": "a number"}
@@ -337,9 +345,7 @@ def _raw_problems(block: Dict[str, Any], model, prefix: str) -> List[str]:
         elif (kind := _json_kind(field.annotation)) is not None and not (
                 value is None and type(None) in get_args(field.annotation)) and not (
                 _is_bool(value) if kind == "boolean" else _is_number(value)):
-            plain = value is None or type(value) in (bool, int, float, str, list, dict)
-            got = (json.dumps(value) if plain else repr(value)) + ("" if value is None else f" ({_json_type(value)})")
-            out.append(f"{path}: must be {_KIND_WORDS[kind]}, got {got}")
+            out.append(f"{path}: must be {_KIND_WORDS[kind]}, got {_said(value)}")
         elif isinstance(value, dict) and isinstance(field.annotation, type) and issubclass(field.annotation, _Strict):
             out += _raw_problems(value, field.annotation, path + ".")
     return out

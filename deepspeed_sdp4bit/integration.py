@@ -734,9 +734,10 @@ class _Replica:
         self._dirty: set = set()
         dev = self.flat[0].device if self.flat and self.flat[0] is not None else None
         self._stream = None
-        if self.level == "full" and wcfg.overlap and dev is not None and dev.type != "cuda":
+        overlap = self.level == "full" and wcfg.overlap and dev is not None
+        if overlap and dev.type != "cuda":
             _say(f"weights.overlap: needs a CUDA device (a side stream); on {dev.type} the refresh runs inside step()")
-        if self.level == "full" and wcfg.overlap and dev is not None and dev.type == "cuda":
+        elif overlap:
             self._stream = torch.cuda.Stream(device=dev)
             self._events = [torch.cuda.Event() for _ in range(self.n_stages)]
             # memory the side stream works on, allocated on another stream: freed (engine deleted with a
@@ -1200,12 +1201,15 @@ def _on_line(state: "SDP4BitState") -> str:
     if state.reducer is None:
         grads = "ZeRO-3's reduce-scatter"
     else:
-        levels = []
-        if topo.gpus_per_node > 1:
-            levels.append(f"{g.intra_bits}-bit inside a node")
-        if topo.num_nodes > 1:
-            levels.append(f"{g.inter_bits}-bit between nodes"
-                          + (f" (8-bit for the first {g.inter8_steps} steps)" if g.inter8_steps else ""))
+        from .collectives.gradients import make_plan
+
+        levels = []   # the levels a reduce runs, as the config linter (__main__.plan) lists them
+        for lvl in make_plan(1 << 20, topo.shape, g).levels:
+            bits = g.intra_bits if lvl.name == "intra" else g.inter_bits
+            levels.append(("bf16 (unquantized)" if bits == 16 else f"{bits}-bit")
+                          + (" inside a node" if lvl.name == "intra" else " between nodes")
+                          + (f" (8-bit for the first {g.inter8_steps} steps)"
+                             if lvl.name == "inter" and g.inter8_steps else ""))
         grads = ", ".join(levels)
     return (f"on: {topo.num_nodes} node(s) x {topo.gpus_per_node} rank(s); weights: {weights}; gradients: {grads} "
             f"(engine.sdp4bit_summary() after a step)")

@@ -126,7 +126,10 @@ def test_the_start_up_line_names_the_levels_that_run(nodes, gpn, block, want):
     from deepspeed_sdp4bit.integration import _on_line
 
     cfg = parse_block({**block, "weights": {"replica": "full", **block.get("weights", {})}})
-    state = SimpleNamespace(topology=SimpleNamespace(num_nodes=nodes, gpus_per_node=gpn), cfg=cfg,
+    from deepspeed_sdp4bit.topology import TopologyShape
+
+    state = SimpleNamespace(topology=SimpleNamespace(num_nodes=nodes, gpus_per_node=gpn,
+                                                     shape=TopologyShape(nodes, gpn)), cfg=cfg,
                             weights=object() if cfg.weights.enabled else None, level=cfg.weights.replica,
                             reducer=object() if cfg.gradients.enabled else None)
     line = _on_line(state)

@@ -8,9 +8,9 @@ find /tmp/torch_extensions -name lock -delete 2>/dev/null
 # build_kernels [LOG]: JIT-build the CUDA ops once (runs side by side would each start the build), print the build's
 # last line (the whole output to LOG if given) and the script's clock
 build_kernels() {
-  if [ -n "$1" ]; then python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" > "$1" 2>&1; tail -2 "$1"
-  else python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" 2>&1 | tail -1; fi
-  echo "built at $SECONDS s"
+  local log=${1:-/tmp/sdp4bit_build.txt} lines=1; [ -n "$1" ] && lines=2
+  python3 -c "from deepspeed_sdp4bit import _native; _native.load_extension()" > "$log" 2>&1
+  tail -n $lines "$log"; echo "built at $SECONDS s"
 }
 # pack_out: everything under $OUT into $OUT/results.tgz (the device returns at most 8 files); packed outside $OUT and
 # moved in, since a tar written into the folder it reads fails with "file changed"
