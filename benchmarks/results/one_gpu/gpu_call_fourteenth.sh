@@ -8,7 +8,9 @@
 #           config are committed): qWD only, TLq-HS only, TLq (no Hadamard), qW, ZeRO++ (qwZ + qgZ), seed 1, side by
 #           side, spread over the GPUs; since the sixteenth session also SEEDS="...", SCHED, WARMUP=N and DET=1 as in
 #           set (e.g. the seeds whose replay and default ran under the 100-step warm-up), every config x seed dealt
-#           round-robin over every GPU of the host (planned, not run)
+#           round-robin over every GPU of the host; seventeenth session: NVLINK="tlq tlq_hs" runs those configs one rank
+#           per GPU of the host over NVLink (their loss does not depend on the transport; over sockets their ZeRO-3
+#           weight gathers took 2-3.3 s per step)
 #   w1b     issue 20's world-size-1 goal with both build orders in ONE call: each GPU runs one model twice, one
 #           paired process after the other, the engines built in one order and then in the other (GPU 0: 1.3B,
 #           ZeRO-3's engine first, then SDP4Bit's; GPU 1: 406M, SDP4Bit's first, then ZeRO-3's),
@@ -31,6 +33,7 @@ commit=$1; budget=$2
 # (checked before the wheels and the build: a refused call costs no device time)
 case "$3" in set|abl) [ -z "$KTEST" ] || [ "$KTEST" = 1 ] || { echo "KTEST: 1 or unset" >&2; exit 2; } ;;
   *) [ -z "$WARMUP$KTEST" ] || { echo "WARMUP and KTEST are for the set and abl modes" >&2; exit 2; } ;; esac
+[ "$3" = abl ] || [ -z "$NVLINK" ] || { echo "NVLINK is for the abl mode" >&2; exit 2; }
 source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 G=$(nvidia-smi -L | wc -l); last=$((G - 1))
@@ -39,9 +42,11 @@ build_kernels
 # KTEST=1 (set and abl only: beside a timing mode it would skew the timings): the CUDA kernels' bit-exact tests
 # against the reference beside the runs, on the last GPU
 [ "$KTEST" = 1 ] && (CUDA_VISIBLE_DEVICES=$last python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py > $OUT/kernel_tests.txt 2>&1; tail -1 $OUT/kernel_tests.txt) &
-acc() {  # GPU OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
-  local g=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy --share-gpu ${DET:+--deterministic} "$@" --checkpoint-root /tmp/acc_ckpt${DET:+_det}${WARMUP:+_w$WARMUP} --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
+acc() {  # GPU|all OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
+  # GPU: all ranks of the run share that GPU (sockets); all: one rank per GPU of the host (NCCL's NVLink)
+  local g=$1 name=$2 share=--share-gpu; shift 2
+  [ "$g" = all ] && { share=; g=$(seq -s, 0 $last); }
+  CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy $share ${DET:+--deterministic} "$@" --checkpoint-root /tmp/acc_ckpt${DET:+_det}${WARMUP:+_w$WARMUP} --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
 }
 case "$3" in
 const)
@@ -57,10 +62,14 @@ set)   [ -n "$WARMUP" ] && [ "${SCHED:-}" != cosine ] && { echo "WARMUP needs SC
     for v in "2x2 zero3:replay" "2x2 sdp4bit" "4x1 sdp4bit"; do set -- $v
       acc $g s_${2%%:*}_$1_s$s --topologies $1 --configs $2 --seeds $s --schedules ${SCHED:?set SCHED} ${WARMUP:+--warmup $WARMUP}; done; done
   wait; grep -h "\[accuracy\].*: " $OUT/s_*.log ;;
-abl)   # [ABL="..."] [SEEDS="..."] [SCHED=...] [WARMUP=N] [DET=1]: each config x seed at 2x2, dealt round-robin over the GPUs
+abl)   # [ABL="..."] [SEEDS="..."] [SCHED=...] [WARMUP=N] [DET=1] [NVLINK="..."]: each config x seed at 2x2, dealt
+       # round-robin over the GPUs; a config named in NVLINK (seventeenth session: "tlq tlq_hs", whose ZeRO-3 weight
+       # gathers made them 2-3.3 s per step over sockets) runs one rank per GPU over NVLink instead (host of >= 4 GPUs)
   [ -n "$WARMUP" ] && [ "${SCHED:-cosine}" != cosine ] && { echo "WARMUP needs SCHED=cosine" >&2; exit 2; }
+  [ -n "$NVLINK" ] && [ $last -lt 3 ] && { echo "NVLINK needs a host of 4 or more GPUs" >&2; exit 2; }
   i=0; for s in ${SEEDS:-1}; do for c in ${ABL:-qwd tlq_hs tlq qw zeropp}; do
-    acc $(( i % (last + 1) )) a_${c}_s$s --topologies 2x2 --configs $c --seeds $s --schedules ${SCHED:-cosine} ${WARMUP:+--warmup $WARMUP}; i=$((i + 1)); done; done
+    case " $NVLINK " in *" $c "*) g=all ;; *) g=$(( i % (last + 1) )); i=$((i + 1)) ;; esac
+    acc $g a_${c}_s$s --topologies 2x2 --configs $c --seeds $s --schedules ${SCHED:-cosine} ${WARMUP:+--warmup $WARMUP}; done; done
   wait; grep -h "\[accuracy\].*: " $OUT/a_*.log ;;
 w1b)
   w1() {  # GPU MODEL CONFIGS...
