@@ -722,8 +722,9 @@ def _smooth(xs: Sequence[float], w: int) -> List[float]:
 
 def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path, smooth: int) -> bool:
     """One panel per training (model, ranks, schedule, steps) with ZeRO-3 and another config, three panels a row:
-    the train loss against ZeRO-3's mean in %, smoothed, one line per config (the mean of its runs), ZeRO-3's runs'
-    band shaded.  Trainings shorter than ``HEADLINE_MIN_STEPS`` (checks such as the determinism repeats) are left out,
+    the train loss against ZeRO-3 of the same seed in %, smoothed, one line per config (each seed's runs against
+    ZeRO-3's runs of that seed, the mean over the seeds both have, as the tables pair them), the band of ZeRO-3's
+    runs around their mean shaded.  Trainings shorter than ``HEADLINE_MIN_STEPS`` (checks such as the determinism repeats) are left out,
     as they are from the README's loss table."""
     groups = {k: g for k, g in _acc_groups(rows).items() if "zero3" in g and len(g) > 1 and (k[2] or 0) >= HEADLINE_MIN_STEPS}
     if not groups:
@@ -749,16 +750,26 @@ def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path
             hi = [100 * (max(c[i] for c in ref_curves) / ref[i] - 1) for i in range(n)]
             ax.fill_between(xs, lo, hi, color="0.8", label=f"ZeRO-3 band ({len(ref_curves)} runs)")
         ax.axhline(0.0, color="k", linewidth=0.8)
+        by_seed: Dict[int, List[List[float]]] = {}
+        for r in g["zero3"]:
+            if r["row_id"] in losses:
+                by_seed.setdefault(r["seed"], []).append(_smooth(losses[r["row_id"]], smooth)[:n])
         for name in sorted(n_ for n_ in g if n_ != "zero3"):
-            curves = [_smooth(losses[r["row_id"]], smooth) for r in g[name] if r["row_id"] in losses]
-            if not curves:
+            # seed-paired as the tables: each seed's runs against ZeRO-3's runs of that seed, the seeds' mean
+            seeds = sorted({r["seed"] for r in g[name] if r["row_id"] in losses} & set(by_seed))
+            mine = {s_: [_smooth(losses[r["row_id"]], smooth) for r in g[name]
+                         if r["seed"] == s_ and r["row_id"] in losses] for s_ in seeds}
+            if not seeds:
                 continue
-            m = min(n, min(len(c) for c in curves))
-            ax.plot(xs[:m], [100 * (_mean([c[i] for c in curves]) / ref[i] - 1) for i in range(m)],
-                    label=f"{name} ({len(curves)} run{'s' if len(curves) > 1 else ''})", linewidth=1.2)
+            m = min(n, min(len(c) for cs in mine.values() for c in cs))
+            gap = [_mean([100 * (_mean([c[i] for c in mine[s_]]) / _mean([c[i] for c in by_seed[s_]]) - 1)
+                          for s_ in seeds]) for i in range(m)]
+            runs = sum(len(cs) for cs in mine.values())
+            ax.plot(xs[:m], gap, label=f"{name} ({runs} run{'s' if runs > 1 else ''}, {len(seeds)} "
+                                       f"seed{'s' if len(seeds) > 1 else ''})", linewidth=1.2)
         ax.set_title(f"{model}, {ranks} ranks, {sched} lr, {steps} steps", fontsize=10)
         ax.set_xlabel("step")
-        ax.set_ylabel(f"train loss vs ZeRO-3 mean, % (moving average {smooth})")
+        ax.set_ylabel(f"train loss vs ZeRO-3, same seed, % (moving avg {smooth})", fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -1353,6 +1364,62 @@ def _default_loss_groups(acc_rows: Sequence[dict]):
                 yield key, ref, rs
 
 
+# Issue 21's ablations (configs/NAME.json, run at 2x2 beside the default) and how the paper orders them
+ABLATIONS = {"qw": "qW", "qwd": "qWD", "tlq": "TLq", "tlq_hs": "TLq-HS", "zeropp": "ZeRO++"}
+
+
+def _diff_verdict(d: Sequence[float]) -> Tuple[str, str]:
+    """Seed-paired differences (points) -> ("mean (SE, n seeds)", verdict): met when mean - t SE > 0, not met when
+    mean + t SE < 0 (t: :func:`t_factor` of the seeds), otherwise not resolved by the seeds run."""
+    m, se = suite.mean_se(d)
+    if se is None:
+        return f"{m:+.2f} (1 seed)", "not resolved (one seed)"
+    t = t_factor(len(d))
+    v = "met" if m - t * se > 0 else "not met" if m + t * se < 0 else "not resolved"
+    return f"{m:+.2f} (SE {se:.2f}, {len(d)} seeds; {m - t * se:+.2f} .. {m + t * se:+.2f})", v
+
+
+def _ablation_goal(acc_rows: Sequence[dict]) -> Tuple[str, str]:
+    """Issue 21's ablation order at 2x2, per accuracy group of HEADLINE_MIN_STEPS or more steps with ZeRO-3 and at
+    least two of the ablation configs: each config's seed-paired gap to ZeRO-3 (as the loss goal pairs them), then
+    the paper's three claims on seed-paired differences of those gaps: qW above every other config (the default
+    included), TLq above TLq-HS, qWD within the loss goal (:func:`_gap_verdict`).  A claim is met when its
+    differences' mean +- t SE lies above 0, not met when below, else not resolved."""
+    parts, verdicts = [], []
+    for (ranks, sched, steps, model), g in sorted(_acc_groups(acc_rows).items(), key=_acc_order):
+        ref = g.get("zero3")
+        if not ref or (steps or 0) < HEADLINE_MIN_STEPS:
+            continue
+        gaps = {name: dict(_paired(g[f"{c} 2x2"], ref, "train_loss"))
+                for c, name in ABLATIONS.items() if f"{c} 2x2" in g}
+        if len(set(gaps) - {"ZeRO++"}) < 2:
+            continue
+        dflt = [r for r in g.get("sdp4bit 2x2", []) if r.get("default")]
+        if dflt:
+            gaps["default"] = dict(_paired(dflt, ref, "train_loss"))
+
+        def diff(a, b):
+            return [gaps[a][s] - gaps[b][s] for s in sorted(set(gaps[a]) & set(gaps[b]))]
+
+        claims = []
+        if "qW" in gaps:
+            sub = [(o, *_diff_verdict(diff("qW", o))) for o in gaps if o not in ("qW", "ZeRO++") and diff("qW", o)]
+            if sub:
+                v = _combined((), [x for _, _, x in sub])[1]
+                claims.append(("qW worst: qW minus " + "; ".join(f"{o} {t}: {x}" for o, t, x in sub), v))
+        if "TLq" in gaps and "TLq-HS" in gaps and diff("TLq", "TLq-HS"):
+            t, v = _diff_verdict(diff("TLq", "TLq-HS"))
+            claims.append((f"TLq worse than TLq-HS: TLq minus TLq-HS {t}: {v}", v))
+        if "qWD" in gaps:
+            t, v = _gap_verdict([gaps["qWD"][s] for s in sorted(gaps["qWD"])])
+            claims.append((f"qWD within +{GOAL_GAP}% of ZeRO-3: {t}", v))
+        each = ", ".join(f"{n} {_mean(list(d.values())):+.2f}% ({len(d)})" for n, d in gaps.items() if d)
+        parts.append(f"{model} 2x2 {sched} {steps} steps, gap to ZeRO-3 (seeds): {each}; "
+                     + "; ".join(c for c, _ in claims))
+        verdicts += [v for _, v in claims]
+    return _combined(parts, verdicts)
+
+
 # Two-sided 95% quantiles of Student's t by degrees of freedom (1-30), then at 40 and 60 degrees.
 _T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -1469,6 +1536,9 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
         rows.append(("20", f"peak memory per rank above ZeRO-3 (same run), replica {replica}: {goal}", m, v))
     m, v = _accuracy_goal(acc_rows)
     rows.append(("21", f"default's train loss (last 50 steps) within +{GOAL_GAP}% of ZeRO-3, seed-paired", m, v))
+    m, v = _ablation_goal(acc_rows)
+    rows.append(("21", "ablations at 2x2 in the paper's order (qW worst; TLq worse than TLq-HS; qWD ~ ZeRO-3: "
+                 f"within +{GOAL_GAP}%), seed-paired; differences in points of the gap to ZeRO-3", m, v))
     if sim_runs:
         m, v = _sim_accuracy_goal(sim_runs)
         rows.append(("21", f"the same on the deterministic simulation on a GPU (`accuracy-sim`: a pair of runs "

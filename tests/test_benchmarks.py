@@ -638,6 +638,24 @@ def test_accuracy_png_has_a_panel_per_training_of_100_steps_or_more(tmp_path, mo
     assert [ax.get_visible() for ax in figs[0][1].flat] == [True] * 4 + [False] * 2
 
 
+def test_accuracy_png_pairs_each_config_with_zero3_of_its_own_seeds(tmp_path, monkeypatch):
+    """A config run on fewer seeds than ZeRO-3 is drawn against ZeRO-3's runs of its own seeds (as the tables pair
+    them), not against the mean of every ZeRO-3 seed."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    rows = [_acc_row("zero3:replay", "4r", 1, 2.0, 2.2), _acc_row("zero3:replay", "4r", 2, 1.0, 2.0),
+            _acc_row("qw", "2x2", 1, 2.2, 2.2)]
+    level = {"zero3:replay": {1: 2.0, 2: 1.0}, "qw": {1: 2.2}}
+    losses = {r["row_id"]: [level[r["variant"]][r["seed"]]] * 500 for r in rows}
+    figs = []
+    real = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: figs.append(real(*a, **k)) or figs[-1])
+    assert report.accuracy_png(rows, losses, tmp_path / "p.png", 5)
+    line = next(x for x in figs[0][1].flat[0].get_lines() if x.get_label().startswith("qw"))
+    assert line.get_label() == "qw 2x2 (1 run, 1 seed)"
+    assert max(abs(y - 10.0) for y in line.get_ydata()) < 1e-9   # +10% against seed 1 (against both: +46.7%)
+
+
 def test_stand_ins_from_other_runs_are_the_nearest_in_time():
     """A baseline or a link rate from another run is the one measured nearest in time to the row (the loopback
     differs from call to call), not the newest; rows without times fall back to the newest."""
@@ -728,6 +746,36 @@ def test_goals_judge_only_same_run_ratios_and_say_when_seeds_cannot_resolve_the_
     assert "**not resolved**" in acc([0.5, 0.6, 0.4]) and "**not met**" in acc([0.8, 0.9, 0.7])   # 2 SE: not met
     assert "**not resolved**" in acc([2.0, -2.0, 0.5])
     assert "not resolved (one seed)" in acc([0.0])
+
+
+def test_goals_table_checks_the_ablation_order_seed_paired():
+    """Issue 21's ablations: each config's gap to ZeRO-3 of the same seed, then the paper's claims on seed-paired
+    differences of those gaps (qW above every other config, TLq above TLq-HS, qWD within the loss goal), each
+    met / not met / not resolved by mean +- t SE (t = 4.30 for 3 seeds)."""
+    z = [_acc_row("zero3:replay", "4r", s, 2.0, 2.0) for s in (1, 2, 3)]
+
+    def cfg(name, gaps, default=False):
+        return [dict(_acc_row(name, "2x2", s, 2.0 * (1 + d / 100), 2.0), default=default)
+                for s, d in zip((1, 2, 3), gaps)]
+
+    def line(*rows):
+        return next(x for x in report.goals_table([], z + [r for rs in rows for r in rs], None).splitlines()
+                    if "ablations" in x)
+    qw, qwd = cfg("qw", [3.0, 3.2, 2.8]), cfg("qwd", [0.0, 0.1, -0.1])
+    ordered = line(qw, qwd, cfg("tlq", [1.0, 1.1, 0.9]), cfg("tlq_hs", [0.5, 0.7, 0.3]),
+                   cfg("sdp4bit", [0.1, 0.0, 0.2], default=True))
+    assert "qW +3.00% (3), qWD " in ordered and "TLq +1.00% (3), TLq-HS +0.50% (3), default +0.10% (3)" in ordered
+    assert "TLq minus TLq-HS +0.50 (SE 0.06, 3 seeds; +0.25 .. +0.75): met" in ordered
+    assert "qW worst: qW minus qWD +3.00 (SE 0.06, 3 seeds; +2.75 .. +3.25): met" in ordered
+    assert ordered.endswith("**met** |")
+    # TLq-HS above TLq on every seed: that claim is not met, and so the goal
+    swapped = line(qw, qwd, cfg("tlq", [0.5, 0.7, 0.3]), cfg("tlq_hs", [1.0, 1.1, 0.9]))
+    assert "TLq minus TLq-HS -0.50" in swapped and ": not met" in swapped and swapped.endswith("**not met** |")
+    # qW not above qWD on every seed: not resolved
+    assert line(cfg("qw", [3.0, -1.0, 0.5]), qwd).endswith("**not resolved** |")
+    # one seed decides nothing; one ablation config alone is no ordering (no line)
+    assert "not resolved (one seed)" in line(qw[:1], qwd[:1])
+    assert "not measured" in line(qw)
 
 
 def test_rows_are_compared_with_todays_default_config():
