@@ -57,6 +57,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--ranks-per-gpu", type=int, default=1)
     p.add_argument("--share-gpu", action="store_true", help="all ranks of each run on one GPU")
+    p.add_argument("--own-host", action="store_true",
+                   help="GPU only: one rank per GPU, each rank its own NCCL host (sockets between every two ranks); "
+                        "DeepSpeed then counts one GPU per node, so ZeRO++'s qgZ is active and hpZ 1, as when ranks "
+                        "share a GPU, while their compute runs on separate GPUs")
     p.add_argument("--cpu", action="store_true", help="gloo ranks on the CPU (automatic without a GPU)")
     p.add_argument("--out", required=True)
     p.add_argument("--results", default=None, help="default OUT/accuracy.json")
@@ -191,6 +195,9 @@ def run(args) -> int:
     if args.checkpoint_root:
         _check_resume_folders(Path(args.checkpoint_root), args)
     cpu = args.cpu or not suite.on_gpu()
+    if args.own_host and (cpu or args.share_gpu or args.ranks_per_gpu > 1):
+        raise SystemExit("accuracy: --own-host runs one rank per GPU, each its own NCCL host: not with --share-gpu, "
+                         "--ranks-per-gpu > 1 or on the CPU (gloo ranks have no GPU to own)")
     specs = []
     for c in args.configs:
         if c == "zero3:replay":
@@ -226,6 +233,7 @@ def run(args) -> int:
                         raise SystemExit(f"accuracy: {topo} has {world} ranks but {n_gpus} GPU(s) x "
                                          f"--ranks-per-gpu {rpg}; pass --share-gpu")
                     share = (not cpu) and rpg > 1
+                    own = args.own_host and run_world > 1   # (a replay is one rank: nothing to talk to)
                     label = v.label + (":replay" if replay else "")
                     name = f"{args.model}_{topo}_{label.replace(':', '-')}_s{seed}_{schedule}"
                     row = {"row_id": f"{run_id}/{name}", "run_id": run_id, "created": meta["created"],
@@ -263,7 +271,7 @@ def run(args) -> int:
                     if replay:
                         targs += ["--replay-ranks", str(world)]
                     else:
-                        for kv in v.ds_set(gpn, share):
+                        for kv in v.ds_set(gpn, share or own):   # each rank sees one GPU either way
                             targs += ["--ds-set", kv]
                     if args.model == "tiny":
                         targs += ["--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"]
@@ -276,7 +284,8 @@ def run(args) -> int:
                                   f"{timeout - args.stop_margin:.0f} s before the stop (start-up included): "
                                   f"it will stop after its first step", flush=True)
                         targs += _resume_args(ckpt, args, row, stop_at)
-                    cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu)
+                    cmd, env = suite.launch_command(suite.TRAIN, targs, run_world, rpg, cpu,
+                                                    gpus_per_host=1 if own else None)
                     row["command"] = " ".join(f"{k}={val}" for k, val in env.items()) + " " + " ".join(cmd)
                     print(f"[accuracy] {name}", flush=True)
                     before = _log_stamp(log_json)

@@ -480,6 +480,27 @@ def test_accuracy_warmup_names_its_schedule_and_reaches_the_run(tmp_path):
     assert "--warmup 2 --min-lr-ratio 0.1" in row["command"] and "cosine-w2" in row["row_id"]
 
 
+def test_accuracy_own_host_is_one_rank_per_gpu_each_its_own_host(tmp_path):
+    """--own-host: every rank of a run its own NCCL host on its own GPU (torchrun through share_gpu.py with one GPU
+    per host), refused where it cannot mean that (CPU, or beside --share-gpu / --ranks-per-gpu)."""
+    from benchmarks import share_gpu
+
+    cmd, env = suite.launch_command(suite.TRAIN, [], 4, 1, False, gpus_per_host=1)
+    assert env["SDP4BIT_GPUS_PER_HOST"] == "1" and str(suite.SHARE_GPU) in cmd
+    assert [share_gpu.rank_env(r, 1, 1, "0,1,2,3")["CUDA_VISIBLE_DEVICES"] for r in range(4)] == ["0", "1", "2", "3"]
+    assert len({share_gpu.rank_env(r, 1, 1, "0,1,2,3")["NCCL_HOSTID"] for r in range(4)}) == 4
+    # each rank sees one GPU, so DeepSpeed counts one GPU per node: ZeRO++'s hpZ must be 1, as when sharing a GPU
+    assert "zero_optimization.zero_hpz_partition_size=1" in suite.Variant("zeropp").ds_set(2, True)
+    common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "zeropp", "--seeds", "1",
+              "--steps", "4", "--seq", "64", "--micro-batch", "2", "--eval-batches", "1", "--own-host"]
+    for extra in ([], ["--ranks-per-gpu", "2"]):
+        proc = subprocess.run([sys.executable, "-m", "benchmarks"] + common + extra + ["--out", str(tmp_path / "x")],
+                              cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
+        assert proc.returncode != 0 and "--own-host runs one rank per GPU" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "x").exists()
+
+
 def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     """A run longer than one GPU call: --stop-after leaves a checkpoint, the same command goes on from it, and the
     finished row's losses are those of the run done in one go (the schedule is that of --steps throughout).

@@ -33,7 +33,7 @@ commit=$1; budget=$2
 # (checked before the wheels and the build: a refused call costs no device time)
 case "$3" in set|abl) [ -z "$KTEST" ] || [ "$KTEST" = 1 ] || { echo "KTEST: 1 or unset" >&2; exit 2; } ;;
   *) [ -z "$WARMUP$KTEST" ] || { echo "WARMUP and KTEST are for the set and abl modes" >&2; exit 2; } ;; esac
-[ "$3" = abl ] || [ -z "$NVLINK" ] || { echo "NVLINK is for the abl mode" >&2; exit 2; }
+[ "$3" = abl ] || [ -z "$NVLINK$OWNHOST" ] || { echo "NVLINK and OWNHOST are for the abl mode" >&2; exit 2; }
 source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 G=$(nvidia-smi -L | wc -l); last=$((G - 1))
@@ -42,10 +42,11 @@ build_kernels
 # KTEST=1 (set and abl only: beside a timing mode it would skew the timings): the CUDA kernels' bit-exact tests
 # against the reference beside the runs, on the last GPU
 [ "$KTEST" = 1 ] && (CUDA_VISIBLE_DEVICES=$last python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py > $OUT/kernel_tests.txt 2>&1; tail -1 $OUT/kernel_tests.txt) &
-acc() {  # GPU|all OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
-  # GPU: all ranks of the run share that GPU (sockets); all: one rank per GPU of the host (NCCL's NVLink)
+acc() {  # GPU|all|own OUTNAME ACCURACY-ARGS...   (each run keeps a checkpoint in /tmp/acc_ckpt: see below)
+  # GPU: all ranks of the run share that GPU (sockets); all: one rank per GPU of the host (NCCL's NVLink); own: one
+  # rank per GPU, each its own NCCL host (sockets; DeepSpeed counts one GPU per node, so ZeRO++'s qgZ is on)
   local g=$1 name=$2 share=--share-gpu; shift 2
-  [ "$g" = all ] && { share=; g=$(seq -s, 0 $last); }
+  case $g in all) share=; g=$(seq -s, 0 $last) ;; own) share=--own-host; g=$(seq -s, 0 $last) ;; esac
   CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks accuracy $share ${DET:+--deterministic} "$@" --checkpoint-root /tmp/acc_ckpt${DET:+_det}${WARMUP:+_w$WARMUP} --stop-margin 45 --out $OUT/$name --deadline $((budget-SECONDS)) > $OUT/$name.log 2>&1 &
 }
 case "$3" in
@@ -64,11 +65,13 @@ set)   [ -n "$WARMUP" ] && [ "${SCHED:-}" != cosine ] && { echo "WARMUP needs SC
   wait; grep -h "\[accuracy\].*: " $OUT/s_*.log ;;
 abl)   # [ABL="..."] [SEEDS="..."] [SCHED=...] [WARMUP=N] [DET=1] [NVLINK="..."]: each config x seed at 2x2, dealt
        # round-robin over the GPUs; a config named in NVLINK (seventeenth session: "tlq tlq_hs", whose ZeRO-3 weight
-       # gathers made them 2-3.3 s per step over sockets) runs one rank per GPU over NVLink instead (host of >= 4 GPUs)
+       # gathers made them 2-3.3 s per step over sockets) runs one rank per GPU over NVLink instead, one named in
+       # OWNHOST (e.g. "zeropp": 8-9 s a step sharing a GPU under DET=1) one rank per GPU, each its own NCCL host, so
+       # ZeRO++'s qgZ stays on (hosts of >= 4 GPUs)
   [ -n "$WARMUP" ] && [ "${SCHED:-cosine}" != cosine ] && { echo "WARMUP needs SCHED=cosine" >&2; exit 2; }
-  [ -n "$NVLINK" ] && [ $last -lt 3 ] && { echo "NVLINK needs a host of 4 or more GPUs" >&2; exit 2; }
+  [ -n "$NVLINK$OWNHOST" ] && [ $last -lt 3 ] && { echo "NVLINK and OWNHOST need a host of 4 or more GPUs" >&2; exit 2; }
   i=0; for s in ${SEEDS:-1}; do for c in ${ABL:-qwd tlq_hs tlq qw zeropp}; do
-    case " $NVLINK " in *" $c "*) g=all ;; *) g=$(( i % (last + 1) )); i=$((i + 1)) ;; esac
+    case " $NVLINK | $OWNHOST " in *" $c "*"|"*) g=all ;; *"|"*" $c "*) g=own ;; *) g=$(( i % (last + 1) )); i=$((i + 1)) ;; esac
     acc $g a_${c}_s$s --topologies 2x2 --configs $c --seeds $s --schedules ${SCHED:-cosine} ${WARMUP:+--warmup $WARMUP}; done; done
   wait; grep -h "\[accuracy\].*: " $OUT/a_*.log ;;
 w1b)
