@@ -231,7 +231,9 @@ def run(args) -> int:
                     rpg = max(1, min(run_world if args.share_gpu else args.ranks_per_gpu, run_world))
                     if not cpu and run_world > rpg * max(n_gpus, 1):
                         raise SystemExit(f"accuracy: {topo} has {world} ranks but {n_gpus} GPU(s) x "
-                                         f"--ranks-per-gpu {rpg}; pass --share-gpu")
+                                         f"--ranks-per-gpu {rpg}; "
+                                         + ("--own-host needs a GPU per rank" if args.own_host else
+                                            "pass --share-gpu"))
                     share = (not cpu) and rpg > 1
                     own = args.own_host and run_world > 1   # (a replay is one rank: nothing to talk to)
                     label = v.label + (":replay" if replay else "")

@@ -219,8 +219,8 @@ def choose_replica(gpus_per_node: int, n_params: Optional[int], budget: float, d
     need, allowed = 2 * int(n_params), budget * int(device_bytes)
     fits = need <= allowed
     why = (f"bf16 copy {need / 2**30:.2f} GiB {'<=' if fits else '>'} {budget:g} x {int(device_bytes) / 2**30:.1f} "
-           f"GiB, the accelerator's memory as DeepSpeed reports it (host RAM on its CPU accelerator; "
-           f"weights.full_replica_budget)")
+           f"GiB of one accelerator's memory (the smallest over the ranks; host RAM under DeepSpeed's CPU "
+           f"accelerator; weights.full_replica_budget)")
     if fits:
         return "full", why
     return ("node" if gpus_per_node > 1 else None), why

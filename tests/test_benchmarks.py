@@ -493,12 +493,40 @@ def test_accuracy_own_host_is_one_rank_per_gpu_each_its_own_host(tmp_path):
     assert "zero_optimization.zero_hpz_partition_size=1" in suite.Variant("zeropp").ds_set(2, True)
     common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "zeropp", "--seeds", "1",
               "--steps", "4", "--seq", "64", "--micro-batch", "2", "--eval-batches", "1", "--own-host"]
-    for extra in ([], ["--ranks-per-gpu", "2"]):
-        proc = subprocess.run([sys.executable, "-m", "benchmarks"] + common + extra + ["--out", str(tmp_path / "x")],
-                              cwd=REPO, capture_output=True, text=True,
-                              env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
-        assert proc.returncode != 0 and "--own-host runs one rank per GPU" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks"] + common + ["--out", str(tmp_path / "x")],
+                          cwd=REPO, capture_output=True, text=True,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
+    assert proc.returncode != 0 and "--own-host runs one rank per GPU" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "x").exists()
+
+
+def test_accuracy_own_host_reaches_the_launch(tmp_path, monkeypatch):
+    """On a (pretended) host of 4 GPUs, --own-host launches one rank per GPU, each its own host, with ZeRO++'s hpZ
+    at 1; the replay (one rank) launches plainly; beside --share-gpu or --ranks-per-gpu it is refused."""
+    import argparse
+    from benchmarks import accuracy as A
+
+    monkeypatch.setattr(suite, "on_gpu", lambda: True)
+    monkeypatch.setattr(suite, "machine_info", lambda: {"gpu_name": "G", "gpu_count": 4, "versions": {}})
+    launched = []
+
+    def fake_run(cmd, env, log, timeout):
+        launched.append((cmd, env))
+        return 1, 0.0
+    monkeypatch.setattr(suite, "run_process", fake_run)
+    monkeypatch.setattr(suite, "pack_logs", lambda *a: None)
+    parser = argparse.ArgumentParser()
+    A.add_args(parser)
+    base = ["--model", "tiny", "--topologies", "2x2", "--configs", "zero3:replay", "zeropp", "--steps", "4",
+            "--out", str(tmp_path / "o"), "--own-host"]
+    A.run(parser.parse_args(base))
+    (rcmd, renv), (cmd, env) = launched
+    assert "SDP4BIT_GPUS_PER_HOST" not in renv and "--replay-ranks" in rcmd
+    assert env["SDP4BIT_GPUS_PER_HOST"] == "1" and "SDP4BIT_RANKS_PER_GPU" not in env
+    assert "zero_optimization.zero_hpz_partition_size=1" in cmd
+    for extra in (["--share-gpu"], ["--ranks-per-gpu", "2"]):
+        with pytest.raises(SystemExit, match="--own-host runs one rank per GPU"):
+            A.run(parser.parse_args(base + extra))
 
 
 def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
@@ -797,6 +825,11 @@ def test_goals_table_checks_the_ablation_order_seed_paired():
     # one seed decides nothing; one ablation config alone is no ordering (no line)
     assert "not resolved (one seed)" in line(qw[:1], qwd[:1])
     assert "not measured" in line(qw)
+    # differences pair seeds both configs have: qWD without seed 3 compares on seeds 1-2 only
+    assert "qW minus qWD +3.05 (SE 0.05, 2 seeds; +2.41 .. +3.69): met" in line(qw, qwd[:2])
+    # a config without a seed of ZeRO-3's pairs with nothing (it counted as a config and crashed the table)
+    stray = [dict(r, seed=9, row_id=r["row_id"] + "_9") for r in qwd[:1]]
+    assert "not measured" in line(qw, stray) and "qWD +0.05% (2)" in line(qw, qwd[:2], stray)
 
 
 def test_rows_are_compared_with_todays_default_config():
