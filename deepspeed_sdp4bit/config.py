@@ -79,8 +79,9 @@ class WeightsConfig(_Strict):
     # Fraction of one accelerator's memory the full bf16 replica (2 bytes per parameter) may take when
     # ``replica`` is omitted.  0.25 leaves three quarters for activations, master weights and optimizer state.
     full_replica_budget: float = Field(0.25, gt=0.0, le=1.0,
-                                       description=("the share of one accelerator's memory a `full` replica may take "
-                                                    "when `replica` is omitted"))
+                                       description=("the share of one accelerator's memory (host RAM under "
+                                                    "DeepSpeed's CPU accelerator) a `full` replica may take when "
+                                                    "`replica` is omitted"))
     # The step's refresh runs in this many pieces (fewer where a piece would hold less than 16 quantization
     # groups per rank), cut at module boundaries by parameter count in the order the model registers its
     # modules; each piece is quantized, exchanged and applied on its own (its own quantization groups), so
