@@ -1,4 +1,4 @@
-"""Run a function on N gloo (or NCCL) ranks in fresh processes (spawn, file store, no fixed ports).
+"""Run a function on N gloo (or NCCL) ranks in fresh processes (file store, no fixed ports).
 
 Usage in a test::
 
@@ -8,10 +8,20 @@ Usage in a test::
 initialized (gloo, WORLD = all ranks) and the usual launcher variables (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE) are set, with ``local_world_size`` ranks per logical host.  The return values come back
 as a list by rank; an exception on any rank fails the call with that rank's traceback.
+
+How the ranks start: every rank of every call is a new process that has run no test code.  A CPU session's gloo
+ranks are forked from a server process (multiprocessing's forkserver, started once per session) that has
+imported torch and DeepSpeed and nothing else: each rank then starts in well under a second instead of paying
+those imports again (~10 s of CPU per rank, most of a 4-rank call on a 2-core machine).  deepspeed_sdp4bit is
+not imported there (a rank imports it itself, after DeepSpeed, as test_traps' import-order trap needs), and a
+rank takes the caller's environment as it is at the call, as a spawned one would.  Anything else (an ``env`` of
+its own, NCCL, a session without ``DS_ACCELERATOR=cpu``, or an environment that changed since the server
+imported DeepSpeed under it) is started with spawn: a new interpreter, as before.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import tempfile
@@ -23,8 +33,61 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 600
 TEARDOWN_S = 60   # how long a rank that has reported may take to leave
 
+# what the forkserver imports once: torch (with the compiler front end that DeepSpeed's first optimizer pulls in)
+# and DeepSpeed's engine; never deepspeed_sdp4bit
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp", "deepspeed",
+            "deepspeed.runtime.engine", "deepspeed.runtime.zero.stage3", "pytest"]
+_VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)   # pytest rewrites it for every test
+_server_env = None   # the environment the forkserver imported under (None: not started by this process)
 
-def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, env, backend):
+
+def _env_now():
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+
+
+def _context(env, backend):
+    """(multiprocessing context, the caller's environment for the ranks to take) for one call."""
+    global _server_env
+    if env or backend != "gloo" or os.environ.get("DS_ACCELERATOR") != "cpu" \
+            or "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn"), None
+    if _server_env is None:
+        # the same imports here first: what they do to the environment (DeepSpeed's import sets
+        # PYTORCH_NVML_BASED_CUDA_CHECK) is then done before the server starts, not only in it
+        for name in _PRELOAD:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+    now = _env_now()
+    if _server_env is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        _server_env = now
+    elif now != _server_env:
+        return mp.get_context("spawn"), None
+    return mp.get_context("forkserver"), dict(os.environ)
+
+
+def _take_env(parent_env):
+    """A process forked from the forkserver takes the caller's environment, as a spawned one would have it."""
+    if parent_env is not None:
+        os.environ.clear()
+        os.environ.update(parent_env)
+
+
+def process_pool(workers: int):
+    """A ``concurrent.futures.ProcessPoolExecutor`` of ``workers`` processes started as the gloo ranks are (forked
+    from the server with the caller's environment where that applies, else spawned): single-process work of a
+    test spread over the machine's cores (each task a module-level function, its exception the caller's)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx, parent_env = _context(None, "gloo")
+    return ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_take_env, initargs=(parent_env,))
+
+
+def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, env, backend, parent_env=None):
+    _take_env(parent_env)
     os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in env.items()})
     os.environ.update({
         "RANK": str(rank),
@@ -67,9 +130,9 @@ def run_distributed(fn, world_size: int, args=(), local_world_size: int = None, 
     local_world_size = local_world_size or world_size
     with tempfile.TemporaryDirectory(prefix="sdp4bit_dist_") as tmp:
         store = os.path.join(tmp, "store")
-        ctx = mp.get_context("spawn")
+        ctx, parent_env = _context(env, backend)
         procs = [ctx.Process(target=_entry, args=(r, world_size, fn, args, store, tmp, local_world_size,
-                                                  dict(env or {}), backend))
+                                                  dict(env or {}), backend, parent_env))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -23,7 +23,7 @@ SEQ = 32
 
 # Set to 1 to run the suite as if the CPU had no fp16 (as on an AMD EPYC without AVX512-FP16): fp16 engine
 # tests are skipped, and DeepSpeed itself (in this process and in every spawned worker, which inherit the
-# environment) refuses fp16 engines.  .ci/run runs the engine tests this way too.
+# environment) refuses fp16 engines.  .ci/run runs the tests marked fp16 this way too.
 NO_FP16_ENV = "SDP4BIT_TEST_NO_FP16"
 
 

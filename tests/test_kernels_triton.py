@@ -11,6 +11,7 @@ counters on CPU), and the backend's outputs are moved to CPU for comparison.
 
 import contextlib
 import math
+import os
 
 import pytest
 import torch
@@ -44,6 +45,42 @@ def device(request):
 @pytest.fixture
 def backend(device):
     return ops.get_backend("triton", device)
+
+
+@pytest.fixture(scope="module")
+def each_case():
+    """``each_case(device, check, n, *args)`` runs ``check(device, ci, *args)`` for every case index ``ci < n``.
+
+    On a GPU it runs them here, one after the other.  Under the interpreter (single-threaded Python: ops 1-3 over
+    all their cases are most of this file's time) it hands them to as many worker processes as the machine has
+    cores (forked as dist_utils starts its gloo ranks), which run exactly what this process would; the first
+    failing case (by index) fails the test with its own assertion message.
+    """
+    pool = []
+
+    def run(device, check, n, *args):
+        if device.type != "cpu" or n < 2 or (os.cpu_count() or 1) < 2:
+            for ci in range(n):
+                check(device, ci, *args)
+            return
+        if not pool:
+            import dist_utils
+
+            pool.append(dist_utils.process_pool(min(os.cpu_count(), 4)))
+        # the last cases of each list are the long ones (many programs): handed out first, they do not run alone
+        futures = {ci: pool[0].submit(check, "cpu", ci, *args) for ci in reversed(range(n))}
+        errors = []
+        for ci in range(n):   # every case finishes (or fails) before the test ends
+            try:
+                futures[ci].result()
+            except Exception as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    yield run
+    if pool:
+        pool[0].shutdown()
 
 
 @contextlib.contextmanager
@@ -209,19 +246,25 @@ HQ_CASES = [
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_hadamard_quantize_matches_reference(backend, device, dtype, bits, rounding):
+def test_hadamard_quantize_matches_reference(backend, device, dtype, bits, rounding, each_case):
+    each_case(device, _check_hadamard_quantize, len(HQ_CASES), dtype, bits, rounding)
+
+
+def _check_hadamard_quantize(device, ci, dtype, bits, rounding):
+    device = torch.device(device)
+    backend = ops.get_backend("triton", device)
     qmax = R.qmax_for_bits(bits)
-    for ci, (gs, ng, h, sw, tile) in enumerate(HQ_CASES):
-        for kind in ("normal", "heavy", "special"):
-            x = make_data(kind, gs * ng, gs, qmax, seed=100 * ci + len(kind)).to(dtype)
-            offset = 12345 * ci
-            want_p, want_s = R.hadamard_quantize(x, bits, gs, h, rounding, KEY, offset, sw)
-            with tiles(tile):
-                got_p, got_s = backend.hadamard_quantize(x.to(device), bits, gs, h, rounding, KEY, offset, sw)
-            what = f"{kind} gs={gs} groups={ng} h={h} swizzle={sw} tile={tile}"
-            assert got_p.device.type == device.type
-            assert_same_bytes(got_p, want_p, "payload " + what)
-            assert_same_floats(got_s, want_s, "scales " + what)
+    gs, ng, h, sw, tile = HQ_CASES[ci]
+    for kind in ("normal", "heavy", "special"):
+        x = make_data(kind, gs * ng, gs, qmax, seed=100 * ci + len(kind)).to(dtype)
+        offset = 12345 * ci
+        want_p, want_s = R.hadamard_quantize(x, bits, gs, h, rounding, KEY, offset, sw)
+        with tiles(tile):
+            got_p, got_s = backend.hadamard_quantize(x.to(device), bits, gs, h, rounding, KEY, offset, sw)
+        what = f"{kind} gs={gs} groups={ng} h={h} swizzle={sw} tile={tile}"
+        assert got_p.device.type == device.type, f"payload on {got_p.device}, input on {device}: {what}"
+        assert_same_bytes(got_p, want_p, "payload " + what)
+        assert_same_floats(got_s, want_s, "scales " + what)
 
 
 @pytest.mark.parametrize("offset", (4321, 4322, 4320), ids=("odd-general", "even-rows", "aligned-rows"))
@@ -310,19 +353,25 @@ DSR_CASES = [
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
 @pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 8), (8, 8), (4, 4)])
-def test_dequant_sum_requant_matches_reference(backend, device, in_bits, out_bits, rounding):
-    for ci, (k, gs, ogs, ng, source, tile, offset) in enumerate(DSR_CASES):
-        m = gs * ng
-        make = CHUNK_SOURCES[source]
-        payloads, scales = make(k, m, in_bits, gs, seed=7 * ci + in_bits)
-        want_p, want_s = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, gs, rounding, KEY,
-                                               offset, ogs)
-        with tiles(tile):
-            got_p, got_s = backend.dequant_sum_requant(payloads.to(device), scales.to(device), in_bits,
-                                                       out_bits, gs, rounding, KEY, offset, ogs)
-        what = f"k={k} gs={gs} ogs={ogs} m={m} {source} tile={tile}"
-        assert_same_bytes(got_p, want_p, "payload " + what)
-        assert_same_floats(got_s, want_s, "scales " + what)
+def test_dequant_sum_requant_matches_reference(backend, device, in_bits, out_bits, rounding, each_case):
+    each_case(device, _check_dequant_sum_requant, len(DSR_CASES), in_bits, out_bits, rounding)
+
+
+def _check_dequant_sum_requant(device, ci, in_bits, out_bits, rounding):
+    device = torch.device(device)
+    backend = ops.get_backend("triton", device)
+    k, gs, ogs, ng, source, tile, offset = DSR_CASES[ci]
+    m = gs * ng
+    make = CHUNK_SOURCES[source]
+    payloads, scales = make(k, m, in_bits, gs, seed=7 * ci + in_bits)
+    want_p, want_s = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, gs, rounding, KEY,
+                                           offset, ogs)
+    with tiles(tile):
+        got_p, got_s = backend.dequant_sum_requant(payloads.to(device), scales.to(device), in_bits,
+                                                   out_bits, gs, rounding, KEY, offset, ogs)
+    what = f"k={k} gs={gs} ogs={ogs} m={m} {source} tile={tile}"
+    assert_same_bytes(got_p, want_p, "payload " + what)
+    assert_same_floats(got_s, want_s, "scales " + what)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -345,16 +394,22 @@ DSIH_CASES = [
 
 @pytest.mark.parametrize("bits", (4, 8))
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
-def test_dequant_sum_inverse_hadamard_matches_reference(backend, device, out_dtype, bits):
-    for ci, (k, gs, h, ng, post, source, tile) in enumerate(DSIH_CASES):
-        m = gs * ng
-        make = CHUNK_SOURCES[source]
-        payloads, scales = make(k, m, bits, gs, seed=11 * ci + bits)
-        want = R.dequant_sum_inverse_hadamard(payloads, scales, bits, gs, h, out_dtype, post)
-        with tiles(tile):
-            got = backend.dequant_sum_inverse_hadamard(payloads.to(device), scales.to(device), bits, gs, h,
-                                                       out_dtype, post)
-        assert_same_floats(got, want, f"k={k} gs={gs} h={h} m={m} post={post} {source} tile={tile}")
+def test_dequant_sum_inverse_hadamard_matches_reference(backend, device, out_dtype, bits, each_case):
+    each_case(device, _check_dequant_sum_inverse_hadamard, len(DSIH_CASES), out_dtype, bits)
+
+
+def _check_dequant_sum_inverse_hadamard(device, ci, out_dtype, bits):
+    device = torch.device(device)
+    backend = ops.get_backend("triton", device)
+    k, gs, h, ng, post, source, tile = DSIH_CASES[ci]
+    m = gs * ng
+    make = CHUNK_SOURCES[source]
+    payloads, scales = make(k, m, bits, gs, seed=11 * ci + bits)
+    want = R.dequant_sum_inverse_hadamard(payloads, scales, bits, gs, h, out_dtype, post)
+    with tiles(tile):
+        got = backend.dequant_sum_inverse_hadamard(payloads.to(device), scales.to(device), bits, gs, h,
+                                                   out_dtype, post)
+    assert_same_floats(got, want, f"k={k} gs={gs} h={h} m={m} post={post} {source} tile={tile}")
 
 
 # ----------------------------------------------------------------------------------------------------------
