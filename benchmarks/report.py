@@ -724,8 +724,8 @@ def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path
     """One panel per training (model, ranks, schedule, steps) with ZeRO-3 and another config, three panels a row:
     the train loss against ZeRO-3 of the same seed in %, smoothed, one line per config (each seed's runs against
     ZeRO-3's runs of that seed, the mean over the seeds both have, as the tables pair them), the band of ZeRO-3's
-    runs around their mean shaded.  Trainings shorter than ``HEADLINE_MIN_STEPS`` (checks such as the determinism repeats) are left out,
-    as they are from the README's loss table."""
+    runs around their mean shaded.  Trainings shorter than ``HEADLINE_MIN_STEPS`` (checks such as the determinism
+    repeats) are left out, as they are from the README's loss table."""
     groups = {k: g for k, g in _acc_groups(rows).items() if "zero3" in g and len(g) > 1 and (k[2] or 0) >= HEADLINE_MIN_STEPS}
     if not groups:
         return False
@@ -739,7 +739,8 @@ def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path
     for ax in axes.flat[len(groups):]:
         ax.set_visible(False)
     for ax, ((ranks, sched, steps, model), g) in zip(axes.flat, sorted(groups.items(), key=_acc_order)):
-        ref_curves = [_smooth(losses[r["row_id"]], smooth) for r in g["zero3"] if r["row_id"] in losses]
+        zs = [(r["seed"], _smooth(losses[r["row_id"]], smooth)) for r in g["zero3"] if r["row_id"] in losses]
+        ref_curves = [c for _, c in zs]
         if not ref_curves:
             continue
         n = min(len(c) for c in ref_curves)
@@ -752,9 +753,8 @@ def accuracy_png(rows: Sequence[dict], losses: Dict[str, List[float]], png: Path
                             label=f"ZeRO-3's {len(ref_curves)} runs around their mean (unpaired)")
         ax.axhline(0.0, color="k", linewidth=0.8)
         by_seed: Dict[int, List[List[float]]] = {}
-        for r in g["zero3"]:
-            if r["row_id"] in losses:
-                by_seed.setdefault(r["seed"], []).append(_smooth(losses[r["row_id"]], smooth)[:n])
+        for seed, c in zs:
+            by_seed.setdefault(seed, []).append(c[:n])
         for name in sorted(n_ for n_ in g if n_ != "zero3"):
             # seed-paired as the tables: each seed's runs against ZeRO-3's runs of that seed, the seeds' mean
             seeds = sorted({r["seed"] for r in g[name] if r["row_id"] in losses} & set(by_seed))
@@ -1405,12 +1405,14 @@ def _ablation_goal(acc_rows: Sequence[dict]) -> Tuple[str, str]:
 
         claims = []
         if "qW" in gaps:
-            sub = [(o, *_diff_verdict(diff("qW", o))) for o in gaps if o not in ("qW", "ZeRO++") and diff("qW", o)]
+            over = {o: diff("qW", o) for o in gaps if o not in ("qW", "ZeRO++")}
+            sub = [(o, *_diff_verdict(d)) for o, d in over.items() if d]
             if sub:
                 v = _combined((), [x for _, _, x in sub])[1]
                 claims.append(("qW worst: qW minus " + "; ".join(f"{o} {t}: {x}" for o, t, x in sub), v))
-        if "TLq" in gaps and "TLq-HS" in gaps and diff("TLq", "TLq-HS"):
-            t, v = _diff_verdict(diff("TLq", "TLq-HS"))
+        tlq = diff("TLq", "TLq-HS") if "TLq" in gaps and "TLq-HS" in gaps else []
+        if tlq:
+            t, v = _diff_verdict(tlq)
             claims.append((f"TLq worse than TLq-HS: TLq minus TLq-HS {t}: {v}", v))
         if "qWD" in gaps:
             t, v = _gap_verdict([gaps["qWD"][s] for s in sorted(gaps["qWD"])])
