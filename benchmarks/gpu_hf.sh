@@ -1,28 +1,37 @@
 #!/usr/bin/env bash
 # examples/train_hf.py on the GPUs of one host: ZeRO-3 and SDP4Bit through the Hugging Face Trainer, the same
-# 200 steps, then a run stopped at step 100 and resumed. Needs transformers and accelerate on the machine:
+# 200 steps (STEPS), then a run stopped half-way and resumed. Needs transformers and accelerate on the machine:
 # `pip install -e ".[hf]"`, or, without a package index there, wheels carried in $WHEELS
-# (made elsewhere with `pip download "transformers>=5.24" "accelerate>=1.15" -d wheels`).
+# (made elsewhere with `pip download "transformers>=5.24" "accelerate>=1.15" -d wheels`, their dependencies too, but
+# not torch's; installed with --no-deps into /tmp/site_hf, put first on PYTHONPATH here).
 #   OUT=/tmp/out NPROC=2 bash benchmarks/gpu_hf.sh
+# RANKS_PER_GPU=N: N ranks share each GPU, each its own NCCL host (benchmarks/share_gpu.py; NPROC defaults to N x GPUs),
+# so one GPU runs a multi-node job; GPUS_PER_NODE=G injects the topology (sdp4bit.topology.gpus_per_node) into the
+# SDP4Bit runs, e.g. 4 ranks as 2 nodes x 2: both levels active (one node of 4 would leave SDP4Bit off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sdp4bit_hf}
-NPROC=${NPROC:-$(nvidia-smi -L | wc -l)}
+STEPS=${STEPS:-200}
+RPG=${RANKS_PER_GPU:-1}
+NPROC=${NPROC:-$(( RPG * $(nvidia-smi -L | wc -l) ))}
+SHARE=(); [ "$RPG" -gt 1 ] && SHARE=(benchmarks/share_gpu.py)
+TOPO=(); [ -n "${GPUS_PER_NODE:-}" ] && TOPO=(--ds-set "sdp4bit.topology.gpus_per_node=$GPUS_PER_NODE")
 mkdir -p "$OUT"
 if ! python3 -c "import transformers, accelerate" 2>/dev/null; then
-  python3 -m pip install --no-index --find-links "${WHEELS:-wheels}" "transformers>=5.24" "accelerate>=1.15"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_hf "${WHEELS:-wheels}"/*.whl
+  export PYTHONPATH=/tmp/site_hf${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m deepspeed_sdp4bit | tee "$OUT/env.txt"
 run() {  # name config extra...
   local name=$1 cfg=$2; shift 2
-  python3 -m torch.distributed.run --standalone --nproc_per_node "$NPROC" examples/train_hf.py \
-      --ds-config "configs/$cfg" --out "$OUT/$name" --max-steps 200 --d-model 256 --layers 4 --heads 4 --seq 256 \
+  SDP4BIT_RANKS_PER_GPU=$RPG python3 -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "${SHARE[@]}" examples/train_hf.py \
+      --ds-config "configs/$cfg" --out "$OUT/$name" --max-steps "$STEPS" --d-model 256 --layers 4 --heads 4 --seq 256 \
       --micro-batch 8 "$@" 2>&1 | grep -v "^\[rank" | tail -3
 }
 run zero3 zero3.json
-run sdp4bit sdp4bit.json
-run resume sdp4bit.json --stop-at 100
-run resume sdp4bit.json --resume
+run sdp4bit sdp4bit.json "${TOPO[@]}"
+run resume sdp4bit.json --stop-at $(( STEPS / 2 )) "${TOPO[@]}"
+run resume sdp4bit.json --resume "${TOPO[@]}"
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]

@@ -1,7 +1,11 @@
 # Sourced by every device-call script (run from the repository root with .whl/ carried, as ../shared/device.md
 # says): installs the wheels, sets the environment every command there needs, and defines the two steps the
 # scripts share.  Needs $commit (the commit the rows record) set before it is sourced.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
+# (once per machine: a second install would replace packages another job of the same call may be importing)
+if ! { ls .whl/*.whl | cmp -s - /tmp/site/.wheels; } 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && ls .whl/*.whl > /tmp/site/.wheels || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=${commit:?set commit before sourcing device_env.sh}
 # a build killed by an earlier call's deadline leaves its lock behind, and the next build would wait on it forever
 find /tmp/torch_extensions -name lock -delete 2>/dev/null

@@ -11,6 +11,7 @@
 #           round-robin over every GPU of the host; seventeenth session: NVLINK="tlq tlq_hs" runs those configs one rank
 #           per GPU of the host over NVLink (the same bytes move; whether the gradient norm's all-reduce sums in the same
 #           order as over sockets is not checked; over sockets their ZeRO-3 weight gathers took 2-3.3 s per step)
+#           eighteenth session: an ABL entry NAME@S1,S2,... runs NAME for those seeds only (SEEDS must list them)
 #   w1b     issue 20's world-size-1 goal with both build orders in ONE call: each GPU runs one model twice, one
 #           paired process after the other, the engines built in one order and then in the other (GPU 0: 1.3B,
 #           ZeRO-3's engine first, then SDP4Bit's; GPU 1: 406M, SDP4Bit's first, then ZeRO-3's),
@@ -34,8 +35,9 @@ commit=$1; budget=$2
 case "$3" in set|abl) [ -z "$KTEST" ] || [ "$KTEST" = 1 ] || { echo "KTEST: 1 or unset" >&2; exit 2; } ;;
   *) [ -z "$WARMUP$KTEST" ] || { echo "WARMUP and KTEST are for the set and abl modes" >&2; exit 2; } ;; esac
 [ "$3" = abl ] || [ -z "$NVLINK$OWNHOST" ] || { echo "NVLINK and OWNHOST are for the abl mode" >&2; exit 2; }
+ABL=${ABL:-qwd tlq_hs tlq qw zeropp}; names=" "; for c in $ABL; do names="$names${c%%@*} "; done   # (NAME@SEEDS: see abl)
 for c in $NVLINK $OWNHOST; do   # a name of neither ABL, or in both lists, would silently run as another layout
-  case " ${ABL:-qwd tlq_hs tlq qw zeropp} " in *" $c "*) ;; *) echo "NVLINK / OWNHOST: $c is not in ABL" >&2; exit 2 ;; esac
+  case "$names" in *" $c "*) ;; *) echo "NVLINK / OWNHOST: $c is not in ABL" >&2; exit 2 ;; esac
   case " $NVLINK " in *" $c "*) case " $OWNHOST " in *" $c "*) echo "$c is in both NVLINK and OWNHOST" >&2; exit 2 ;; esac ;; esac
 done
 [ -z "$NVLINK$OWNHOST" ] || [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "NVLINK and OWNHOST need a host of 4 or more GPUs" >&2; exit 2; }
@@ -74,7 +76,9 @@ abl)   # [ABL="..."] [SEEDS="..."] [SCHED=...] [WARMUP=N] [DET=1] [NVLINK="..."]
        # OWNHOST (e.g. "zeropp": 8-9 s a step sharing a GPU under DET=1) one rank per GPU, each its own NCCL host, so
        # ZeRO++'s qgZ stays on (hosts of >= 4 GPUs)
   [ -n "$WARMUP" ] && [ "${SCHED:-cosine}" != cosine ] && { echo "WARMUP needs SCHED=cosine" >&2; exit 2; }
-  i=0; for s in ${SEEDS:-1}; do for c in ${ABL:-qwd tlq_hs tlq qw zeropp}; do
+  # an ABL entry NAME@S1,S2 runs NAME for those seeds instead of SEEDS' (eighteenth session: "zeropp@1,2,3 qw@4,5")
+  i=0; for s in ${SEEDS:-1}; do for e in $ABL; do c=${e%%@*}
+    case $e in *@*) case ",${e#*@}," in *",$s,"*) ;; *) continue ;; esac ;; esac
     case " $NVLINK | $OWNHOST " in *" $c "*"|"*) g=all ;; *"|"*" $c "*) g=own ;; *) g=$(( i % (last + 1) )); i=$((i + 1)) ;; esac
     acc $g a_${c}_s$s --topologies 2x2 --configs $c --seeds $s --schedules ${SCHED:-cosine} ${WARMUP:+--warmup $WARMUP}; done; done
   wait; grep -h "\[accuracy\].*: " $OUT/a_*.log ;;
