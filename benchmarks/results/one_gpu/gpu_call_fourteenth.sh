@@ -14,7 +14,8 @@
 #           eighteenth session: an ABL entry NAME@S1,S2,... runs NAME for those seeds only (SEEDS must list them)
 #   w1b     issue 20's world-size-1 goal with both build orders in ONE call: each GPU runs one model twice, one
 #           paired process after the other, the engines built in one order and then in the other (GPU 0: 1.3B,
-#           ZeRO-3's engine first, then SDP4Bit's; GPU 1: 406M, SDP4Bit's first, then ZeRO-3's),
+#           ZeRO-3's engine first, then SDP4Bit's; GPU 1, since the eighteenth session every other GPU: 406M, SDP4Bit's
+#           first, then ZeRO-3's),
 #           120 timed steps each (one GPU: the 1.3B only)
 # At 89e158b / ff69b1d (2 x H100) three 86M runs side by side on one GPU took ~1 s per step (0.8 s two by two; the
 # gradient-only TLq / TLq-HS 2-3.3 s, as ZeRO-3's weight gathers cross the sockets), so a 500-step run does not fit one
@@ -88,7 +89,7 @@ w1b)
     CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks e2e --models $m --topologies 1x1 --configs "$@" --paired --slow --warmup 3 --timed 120 --timeout 240 --out $OUT/w1_${m}_g${g}_$1 --deadline $((budget-SECONDS)) >> $OUT/w1_${m}_g$g.log 2>&1
   }
   (w1 0 1.3B zero3 sdp4bit; w1 0 1.3B sdp4bit zero3) &
-  [ $last -gt 0 ] && (w1 1 406M sdp4bit zero3; w1 1 406M zero3 sdp4bit) &
+  for g in $(seq 1 $last); do (w1 $g 406M sdp4bit zero3; w1 $g 406M zero3 sdp4bit) & done   # (to the seventeenth: GPU 1 only)
   wait; grep -h "\[e2e\]" $OUT/w1_*.log ;;
 *) echo "usage: $0 COMMIT BUDGET_S const|abl|w1b|set" >&2; exit 2 ;;
 esac
