@@ -438,7 +438,8 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
             lines.append("| " + " | ".join([
                 str(model), str(ranks), sched, str(steps), rs[0]["variant"] if name != "zero3" else "zero3", topo,
                 seeds, f"{m:.4f}", f"{min(tl):.4f}-{max(tl):.4f}", diff, paired["train_loss"],
-                f"{_mean(ho):.4f}" if ho else "-", paired["heldout_loss"], rs[0].get("machine", "-"),
+                f"{_mean(ho):.4f}" if ho else "-", paired["heldout_loss"],
+                ", ".join(sorted({str(r.get("machine", "-")) for r in rs})),
                 ",".join(sorted({str(r.get('commit')) for r in rs}))]) + " |")
     return ("\n".join(lines) + "\n\nZeRO-3 rows pool real runs and world-1 replays (`zero3:replay`) of the same "
             "ranks and seeds. vs ZeRO-3 mean: mean train loss over the runs relative to ZeRO-3's mean; same "

@@ -652,6 +652,9 @@ def test_accuracy_table_pairs_seeds_and_counts_runs_finished_before_their_timeou
     assert "+0.50% (s1: +1.00%, s2: +0.00%)" in line          # same seed: +1% and 0%
     assert "+0.50% (s1: +0.00%, s2: +1.00%)" in line          # held-out, same seed
     assert "4x1" not in table and "9.0000" not in table
+    # a config whose seeds ran on two machines names both (it named the first row's only)
+    table = report.accuracy_table(rows[:3] + [dict(rows[3], machine="n")], {})
+    assert "| m, n | c |" in next(ln for ln in table.splitlines() if "| sdp4bit | 2x2 |" in ln)
     # groups in numeric order of steps (500 before 2000, not as text)
     long = [dict(r, steps=2000, row_id=r["row_id"] + "_long") for r in rows[:3]]
     table = report.accuracy_table(long + rows, {})
