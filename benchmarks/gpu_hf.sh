@@ -2,8 +2,10 @@
 # examples/train_hf.py on the GPUs of one host: ZeRO-3 and SDP4Bit through the Hugging Face Trainer, the same
 # 200 steps (STEPS), then a run stopped half-way and resumed. Needs transformers and accelerate on the machine:
 # `pip install -e ".[hf]"`, or, without a package index there, wheels carried in $WHEELS
-# (made elsewhere with `pip download "transformers>=5.24" "accelerate>=1.15" -d wheels`, their dependencies too, but
-# not torch's; installed with --no-deps into /tmp/site_hf, put first on PYTHONPATH here).
+# (made elsewhere with `pip download "transformers>=5.24" "accelerate>=1.15" -d wheels`; installed with --no-deps into
+# /tmp/site_hf, put first on PYTHONPATH here, all but torch*, triton*, nvidia* and numpy* wheels, which would shadow the
+# machine's own torch).  Transformers / accelerate already importable are used as they are (their versions are
+# printed and land in each run's log.json).
 #   OUT=/tmp/out NPROC=2 bash benchmarks/gpu_hf.sh
 # RANKS_PER_GPU=N: N ranks share each GPU, each its own NCCL host (benchmarks/share_gpu.py; NPROC defaults to N x GPUs),
 # so one GPU runs a multi-node job; GPUS_PER_NODE=G injects the topology (sdp4bit.topology.gpus_per_node) into the
@@ -12,21 +14,25 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sdp4bit_hf}
 STEPS=${STEPS:-200}
+[ "$STEPS" -ge 2 ] || { echo "STEPS must be >= 2 (the resume check stops half-way)" >&2; exit 2; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # required on multi-GPU hosts
 RPG=${RANKS_PER_GPU:-1}
 NPROC=${NPROC:-$(( RPG * $(nvidia-smi -L | wc -l) ))}
 SHARE=(); [ "$RPG" -gt 1 ] && SHARE=(benchmarks/share_gpu.py)
 TOPO=(); [ -n "${GPUS_PER_NODE:-}" ] && TOPO=(--ds-set "sdp4bit.topology.gpus_per_node=$GPUS_PER_NODE")
 mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site_hf${PYTHONPATH:+:$PYTHONPATH}
 if ! python3 -c "import transformers, accelerate" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_hf "${WHEELS:-wheels}"/*.whl
-  export PYTHONPATH=/tmp/site_hf${PYTHONPATH:+:$PYTHONPATH}
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site_hf \
+    $(ls "${WHEELS:-wheels}"/*.whl | grep -v -E '/(torch|triton|nvidia|numpy)[_-]')
 fi
+python3 -c "import transformers, accelerate; print('transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
 python3 -m deepspeed_sdp4bit | tee "$OUT/env.txt"
 run() {  # name config extra...
   local name=$1 cfg=$2; shift 2
   SDP4BIT_RANKS_PER_GPU=$RPG python3 -m torch.distributed.run --standalone --nproc_per_node "$NPROC" "${SHARE[@]}" examples/train_hf.py \
       --ds-config "configs/$cfg" --out "$OUT/$name" --max-steps "$STEPS" --d-model 256 --layers 4 --heads 4 --seq 256 \
-      --micro-batch 8 "$@" 2>&1 | grep -v "^\[rank" | tail -3
+      --micro-batch 8 "$@" 2>&1 | { grep -v "^\[rank" || true; } | tail -3
 }
 run zero3 zero3.json
 run sdp4bit sdp4bit.json "${TOPO[@]}"

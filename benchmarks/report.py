@@ -1033,7 +1033,7 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
         cells = [_paired_cell(rs, ref, key, seed_labels=False) or NM for key in ("train_loss", "heldout_loss")]
         loss.append(f"| {model} | {ranks} | {rs[0]['topology']} | {sched} | {steps} | "
                     f"{len(rs)} ({','.join(str(r['seed']) for r in rs)}) | {cells[0]} | {cells[1]} | {spread} | "
-                    f"{rs[0].get('machine', '-')} |")
+                    f"{', '.join(sorted({str(r.get('machine', '-')) for r in rs}))} |")
     if len(loss) == 2:
         loss.append("| " + " | ".join([NM] * 10) + " |")
     host = host_table(tp_rows)

@@ -663,6 +663,10 @@ def test_accuracy_table_pairs_seeds_and_counts_runs_finished_before_their_timeou
     head = report.headline([], [dict(r, default=r["variant"] == "sdp4bit") for r in rows])
     assert "| 86M | 4 | 2x2 | cosine | 500 | 2 (1,2) | +0.50% (+1.00%, +0.00%) | +0.50% (+0.00%, +1.00%) | 2: 11.11% |" \
         in head
+    # its machine column names every machine of the rows (it named the first row's only)
+    head = report.headline([], [dict(r, default=r["variant"] == "sdp4bit", machine="n" if i == 3 else "m")
+                                for i, r in enumerate(rows)])
+    assert "| 2: 11.11% | m, n |" in head
     # runs of fewer than 100 steps are checks: in accuracy.md, not in the headline nor in issue 21's goal
     short = [dict(r, steps=40, steps_done=40, default=r["variant"] == "sdp4bit") for r in rows]
     assert "| 40 |" in report.accuracy_table(short, {}) and "| 40 |" not in report.headline([], short)

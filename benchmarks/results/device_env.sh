@@ -1,10 +1,13 @@
 # Sourced by every device-call script (run from the repository root with .whl/ carried, as ../shared/device.md
 # says): installs the wheels, sets the environment every command there needs, and defines the two steps the
 # scripts share.  Needs $commit (the commit the rows record) set before it is sourced.
-# (once per machine: a second install would replace packages another job of the same call may be importing)
-if ! { ls .whl/*.whl | cmp -s - /tmp/site/.wheels; } 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && ls .whl/*.whl > /tmp/site/.wheels || exit 1
-fi
+# (once per machine and set of wheels, by their checksums, under a lock: a second install would replace packages
+# another job of the same call may be importing)
+( flock 9
+  sha256sum .whl/*.whl > /tmp/site_wheels.new || exit 1
+  cmp -s /tmp/site_wheels.new /tmp/site/.wheels 2>/dev/null && exit 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && mv /tmp/site_wheels.new /tmp/site/.wheels ) 9> /tmp/site.lock || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=${commit:?set commit before sourcing device_env.sh}
 # a build killed by an earlier call's deadline leaves its lock behind, and the next build would wait on it forever

@@ -11,7 +11,8 @@
 #           round-robin over every GPU of the host; seventeenth session: NVLINK="tlq tlq_hs" runs those configs one rank
 #           per GPU of the host over NVLink (the same bytes move; whether the gradient norm's all-reduce sums in the same
 #           order as over sockets is not checked; over sockets their ZeRO-3 weight gathers took 2-3.3 s per step)
-#           eighteenth session: an ABL entry NAME@S1,S2,... runs NAME for those seeds only (SEEDS must list them)
+#           eighteenth session: an ABL entry NAME@S1,S2,... runs NAME for those seeds only (SEEDS must list them: refused
+#           otherwise, as is a name given twice)
 #   w1b     issue 20's world-size-1 goal with both build orders in ONE call: each GPU runs one model twice, one
 #           paired process after the other, the engines built in one order and then in the other (GPU 0: 1.3B,
 #           ZeRO-3's engine first, then SDP4Bit's; GPU 1, since the eighteenth session every other GPU: 406M, SDP4Bit's
@@ -36,7 +37,12 @@ commit=$1; budget=$2
 case "$3" in set|abl) [ -z "$KTEST" ] || [ "$KTEST" = 1 ] || { echo "KTEST: 1 or unset" >&2; exit 2; } ;;
   *) [ -z "$WARMUP$KTEST" ] || { echo "WARMUP and KTEST are for the set and abl modes" >&2; exit 2; } ;; esac
 [ "$3" = abl ] || [ -z "$NVLINK$OWNHOST" ] || { echo "NVLINK and OWNHOST are for the abl mode" >&2; exit 2; }
-ABL=${ABL:-qwd tlq_hs tlq qw zeropp}; names=" "; for c in $ABL; do names="$names${c%%@*} "; done   # (NAME@SEEDS: see abl)
+ABL=${ABL:-qwd tlq_hs tlq qw zeropp}; names=" "
+for e in $ABL; do c=${e%%@*}   # (NAME@S1,S2: see abl) a name twice would run into one output; a seed not in SEEDS never
+  case "$names" in *" $c "*) echo "ABL: $c named twice" >&2; exit 2 ;; esac; names="$names$c "
+  case $e in *@*) for s in $(echo "${e#*@}" | tr , ' '); do
+    case " ${SEEDS:-1} " in *" $s "*) ;; *) echo "ABL: $e: seed $s is not in SEEDS" >&2; exit 2 ;; esac; done ;; esac
+done
 for c in $NVLINK $OWNHOST; do   # a name of neither ABL, or in both lists, would silently run as another layout
   case "$names" in *" $c "*) ;; *) echo "NVLINK / OWNHOST: $c is not in ABL" >&2; exit 2 ;; esac
   case " $NVLINK " in *" $c "*) case " $OWNHOST " in *" $c "*) echo "$c is in both NVLINK and OWNHOST" >&2; exit 2 ;; esac ;; esac
