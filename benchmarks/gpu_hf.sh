@@ -4,8 +4,9 @@
 # `pip install -e ".[hf]"`, or, without a package index there, wheels carried in $WHEELS
 # (made elsewhere with `pip download "transformers>=5.24" "accelerate>=1.15" -d wheels`; installed with --no-deps into
 # /tmp/site_hf, put first on PYTHONPATH here, all but torch*, triton*, nvidia* and numpy* wheels, which would shadow the
-# machine's own torch).  Transformers / accelerate already importable are used as they are (their versions are
-# printed and land in each run's log.json).
+# machine's own torch).  Transformers >= 5.24 and accelerate >= 1.15 already importable are used as they are (their
+# versions are printed and land in each run's log.json; the eighteenth session's GPU run used the image's 5.17, before
+# this check).
 #   OUT=/tmp/out NPROC=2 bash benchmarks/gpu_hf.sh
 # RANKS_PER_GPU=N: N ranks share each GPU, each its own NCCL host (benchmarks/share_gpu.py; NPROC defaults to N x GPUs),
 # so one GPU runs a multi-node job; GPUS_PER_NODE=G injects the topology (sdp4bit.topology.gpus_per_node) into the
@@ -22,7 +23,9 @@ SHARE=(); [ "$RPG" -gt 1 ] && SHARE=(benchmarks/share_gpu.py)
 TOPO=(); [ -n "${GPUS_PER_NODE:-}" ] && TOPO=(--ds-set "sdp4bit.topology.gpus_per_node=$GPUS_PER_NODE")
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site_hf${PYTHONPATH:+:$PYTHONPATH}
-if ! python3 -c "import transformers, accelerate" 2>/dev/null; then
+# (the versions setup.py's hf extra declares; an older install on the machine is shadowed by the carried wheels)
+if ! python3 -c "import transformers as t, accelerate as a; from packaging.version import Version as V
+assert V(t.__version__) >= V('5.24') and V(a.__version__) >= V('1.15')" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site_hf \
     $(ls "${WHEELS:-wheels}"/*.whl | grep -v -E '/(torch|triton|nvidia|numpy)[_-]')
 fi
