@@ -439,8 +439,7 @@ def accuracy_table(rows: Sequence[dict], losses: Optional[Dict[str, List[float]]
                 str(model), str(ranks), sched, str(steps), rs[0]["variant"] if name != "zero3" else "zero3", topo,
                 seeds, f"{m:.4f}", f"{min(tl):.4f}-{max(tl):.4f}", diff, paired["train_loss"],
                 f"{_mean(ho):.4f}" if ho else "-", paired["heldout_loss"],
-                ", ".join(sorted({str(r.get("machine", "-")) for r in rs})),
-                ",".join(sorted({str(r.get('commit')) for r in rs}))]) + " |")
+                _distinct(rs, "machine", "-"), _distinct(rs, "commit", sep=",")]) + " |")
     return ("\n".join(lines) + "\n\nZeRO-3 rows pool real runs and world-1 replays (`zero3:replay`) of the same "
             "ranks and seeds. vs ZeRO-3 mean: mean train loss over the runs relative to ZeRO-3's mean; same "
             "seed: each seed's difference to ZeRO-3's run(s) of that seed (same initialisation and data order), "
@@ -598,6 +597,11 @@ def _chain_of(rows: Sequence[dict]) -> Dict[str, List[dict]]:
             if r.get("row_id") is not None and len(chain) >= len(out.get(r.get("row_id"), ())):
                 out[r.get("row_id")] = chain
     return out
+
+
+def _distinct(rows: Sequence[dict], key: str, missing=None, sep: str = ", ") -> str:
+    """The distinct values of ``key`` over ``rows`` (``missing`` where a row has none), sorted, as one cell."""
+    return sep.join(sorted({str(r.get(key, missing)) for r in rows}))
 
 
 def _chain_values(chain: Sequence[dict], key: str) -> Optional[List[str]]:
@@ -1033,7 +1037,7 @@ def headline(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
         cells = [_paired_cell(rs, ref, key, seed_labels=False) or NM for key in ("train_loss", "heldout_loss")]
         loss.append(f"| {model} | {ranks} | {rs[0]['topology']} | {sched} | {steps} | "
                     f"{len(rs)} ({','.join(str(r['seed']) for r in rs)}) | {cells[0]} | {cells[1]} | {spread} | "
-                    f"{', '.join(sorted({str(r.get('machine', '-')) for r in rs}))} |")
+                    f"{_distinct(rs, 'machine', '-')} |")
     if len(loss) == 2:
         loss.append("| " + " | ".join([NM] * 10) + " |")
     host = host_table(tp_rows)

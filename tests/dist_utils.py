@@ -59,12 +59,9 @@ def _context(env, backend):
                 importlib.import_module(name)
             except ImportError:
                 pass
-    now = _env_now()
-    if _server_env is None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
-        _server_env = now
-    elif now != _server_env:
+        mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+        _server_env = _env_now()
+    elif _env_now() != _server_env:
         return mp.get_context("spawn"), None
     return mp.get_context("forkserver"), dict(os.environ)
 

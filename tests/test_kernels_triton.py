@@ -223,6 +223,18 @@ CHUNK_SOURCES = {"quantized": quantized_chunks, "random": random_chunks,
                  "finite": lambda *a, **kw: random_chunks(*a, special_scales=False, **kw)}
 
 
+def chunk_inputs(source, k, group_size, groups, bits, seed):
+    """``(m, payloads, scales)``: ``k`` chunks of ``m = group_size * groups`` elements from ``CHUNK_SOURCES[source]``."""
+    m = group_size * groups
+    return (m, *CHUNK_SOURCES[source](k, m, bits, group_size, seed=seed))
+
+
+def _triton_on(device):
+    """A case check's device (text where it runs in a worker process of ``each_case``) and the Triton backend there."""
+    device = torch.device(device)
+    return device, ops.get_backend("triton", device)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # op 1: hadamard_quantize
 # ----------------------------------------------------------------------------------------------------------
@@ -251,8 +263,7 @@ def test_hadamard_quantize_matches_reference(backend, device, dtype, bits, round
 
 
 def _check_hadamard_quantize(device, ci, dtype, bits, rounding):
-    device = torch.device(device)
-    backend = ops.get_backend("triton", device)
+    device, backend = _triton_on(device)
     qmax = R.qmax_for_bits(bits)
     gs, ng, h, sw, tile = HQ_CASES[ci]
     for kind in ("normal", "heavy", "special"):
@@ -358,12 +369,9 @@ def test_dequant_sum_requant_matches_reference(backend, device, in_bits, out_bit
 
 
 def _check_dequant_sum_requant(device, ci, in_bits, out_bits, rounding):
-    device = torch.device(device)
-    backend = ops.get_backend("triton", device)
+    device, backend = _triton_on(device)
     k, gs, ogs, ng, source, tile, offset = DSR_CASES[ci]
-    m = gs * ng
-    make = CHUNK_SOURCES[source]
-    payloads, scales = make(k, m, in_bits, gs, seed=7 * ci + in_bits)
+    m, payloads, scales = chunk_inputs(source, k, gs, ng, in_bits, seed=7 * ci + in_bits)
     want_p, want_s = R.dequant_sum_requant(payloads, scales, in_bits, out_bits, gs, rounding, KEY,
                                            offset, ogs)
     with tiles(tile):
@@ -399,12 +407,9 @@ def test_dequant_sum_inverse_hadamard_matches_reference(backend, device, out_dty
 
 
 def _check_dequant_sum_inverse_hadamard(device, ci, out_dtype, bits):
-    device = torch.device(device)
-    backend = ops.get_backend("triton", device)
+    device, backend = _triton_on(device)
     k, gs, h, ng, post, source, tile = DSIH_CASES[ci]
-    m = gs * ng
-    make = CHUNK_SOURCES[source]
-    payloads, scales = make(k, m, bits, gs, seed=11 * ci + bits)
+    m, payloads, scales = chunk_inputs(source, k, gs, ng, bits, seed=11 * ci + bits)
     want = R.dequant_sum_inverse_hadamard(payloads, scales, bits, gs, h, out_dtype, post)
     with tiles(tile):
         got = backend.dequant_sum_inverse_hadamard(payloads.to(device), scales.to(device), bits, gs, h,

@@ -38,10 +38,11 @@ case "$3" in set|abl) [ -z "$KTEST" ] || [ "$KTEST" = 1 ] || { echo "KTEST: 1 or
   *) [ -z "$WARMUP$KTEST" ] || { echo "WARMUP and KTEST are for the set and abl modes" >&2; exit 2; } ;; esac
 [ "$3" = abl ] || [ -z "$NVLINK$OWNHOST" ] || { echo "NVLINK and OWNHOST are for the abl mode" >&2; exit 2; }
 ABL=${ABL:-qwd tlq_hs tlq qw zeropp}; names=" "
-for e in $ABL; do c=${e%%@*}   # (NAME@S1,S2: see abl) a name twice would run into one output; a seed not in SEEDS never
+entry_seeds() { case $1 in *@*) echo "${1#*@}" | tr , ' ' ;; *) echo "${SEEDS:-1}" ;; esac; }   # NAME[@S1,S2]: see abl
+for e in $ABL; do c=${e%%@*}   # a name twice would run into one output; a seed not in SEEDS never
   case "$names" in *" $c "*) echo "ABL: $c named twice" >&2; exit 2 ;; esac; names="$names$c "
-  case $e in *@*) for s in $(echo "${e#*@}" | tr , ' '); do
-    case " ${SEEDS:-1} " in *" $s "*) ;; *) echo "ABL: $e: seed $s is not in SEEDS" >&2; exit 2 ;; esac; done ;; esac
+  for s in $(entry_seeds "$e"); do
+    case " ${SEEDS:-1} " in *" $s "*) ;; *) echo "ABL: $e: seed $s is not in SEEDS" >&2; exit 2 ;; esac; done
 done
 for c in $NVLINK $OWNHOST; do   # a name of neither ABL, or in both lists, would silently run as another layout
   case "$names" in *" $c "*) ;; *) echo "NVLINK / OWNHOST: $c is not in ABL" >&2; exit 2 ;; esac
@@ -85,7 +86,7 @@ abl)   # [ABL="..."] [SEEDS="..."] [SCHED=...] [WARMUP=N] [DET=1] [NVLINK="..."]
   [ -n "$WARMUP" ] && [ "${SCHED:-cosine}" != cosine ] && { echo "WARMUP needs SCHED=cosine" >&2; exit 2; }
   # an ABL entry NAME@S1,S2 runs NAME for those seeds instead of SEEDS' (eighteenth session: "zeropp@1,2,3 qw@4,5")
   i=0; for s in ${SEEDS:-1}; do for e in $ABL; do c=${e%%@*}
-    case $e in *@*) case ",${e#*@}," in *",$s,"*) ;; *) continue ;; esac ;; esac
+    case " $(entry_seeds "$e") " in *" $s "*) ;; *) continue ;; esac
     case " $NVLINK | $OWNHOST " in *" $c "*"|"*) g=all ;; *"|"*" $c "*) g=own ;; *) g=$(( i % (last + 1) )); i=$((i + 1)) ;; esac
     acc $g a_${c}_s$s --topologies 2x2 --configs $c --seeds $s --schedules ${SCHED:-cosine} ${WARMUP:+--warmup $WARMUP}; done; done
   wait; grep -h "\[accuracy\].*: " $OUT/a_*.log ;;
