@@ -18,17 +18,21 @@ STEPS=${STEPS:-200}
 [ "$STEPS" -ge 2 ] || { echo "STEPS must be >= 2 (the resume check stops half-way)" >&2; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # required on multi-GPU hosts
 RPG=${RANKS_PER_GPU:-1}
-NPROC=${NPROC:-$(( RPG * $(nvidia-smi -L | wc -l) ))}
+# (the GPUs this command may use: CUDA_VISIBLE_DEVICES's list where it is set, else every GPU of the host)
+if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then NGPU=$(echo "$CUDA_VISIBLE_DEVICES" | tr , '\n' | grep -c .); else NGPU=$(nvidia-smi -L | wc -l); fi
+NPROC=${NPROC:-$(( RPG * NGPU ))}
 SHARE=(); [ "$RPG" -gt 1 ] && SHARE=(benchmarks/share_gpu.py)
 TOPO=(); [ -n "${GPUS_PER_NODE:-}" ] && TOPO=(--ds-set "sdp4bit.topology.gpus_per_node=$GPUS_PER_NODE")
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site_hf${PYTHONPATH:+:$PYTHONPATH}
 # (the versions setup.py's hf extra declares; an older install on the machine is shadowed by the carried wheels)
-if ! python3 -c "import transformers as t, accelerate as a; from packaging.version import Version as V
+# (under a lock: two of these commands side by side would otherwise install into one folder at once)
+( flock 9
+  if ! python3 -c "import transformers as t, accelerate as a; from packaging.version import Version as V
 assert V(t.__version__) >= V('5.24') and V(a.__version__) >= V('1.15')" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site_hf \
-    $(ls "${WHEELS:-wheels}"/*.whl | grep -v -E '/(torch|triton|nvidia|numpy)[_-]')
-fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site_hf \
+      $(ls "${WHEELS:-wheels}"/*.whl | grep -v -E '/(torch|triton|nvidia|numpy)[_-]')
+  fi ) 9> /tmp/site_hf.lock
 python3 -c "import transformers, accelerate; print('transformers', transformers.__version__, 'accelerate', accelerate.__version__)"
 python3 -m deepspeed_sdp4bit | tee "$OUT/env.txt"
 run() {  # name config extra...

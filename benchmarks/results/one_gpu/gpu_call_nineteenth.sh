@@ -1,0 +1,34 @@
+#!/bin/bash
+# Nineteenth session's device calls (run from the repository root with .whl/ carried; w1b is
+# gpu_call_fourteenth.sh's):
+#   ovl  issue 20's deliverable 4 where it is meant to pay: the weight refresh overlapped with the next forward
+#        (configs/sdp4bit_overlap.json, weights.overlap) against the shipped default (refresh inside step()), one
+#        rank per GPU on a host of 4 GPUs as logical nodes (e2e --transport nodes: NVLink inside a node, the link
+#        knob on the sockets between), 406M at 4x1 and 2x2, knob 2 and 5 Gb/s per rank; the two configs in one
+#        order at 2 and in the other at 5 (separate processes: --paired would hand an overlapped refresh the other
+#        engine's whole step to hide in)
+#   hf   the Trainer path (benchmarks/gpu_hf.sh) with 4 ranks sharing GPU 0 as 2 nodes x 2 and, beside it, 4 ranks
+#        sharing GPU 1 as 4 nodes x 1, with the carried transformers / accelerate wheels (.whl/hf) when the
+#        machine's are older than the hf extra's
+# usage: bash THIS COMMIT BUDGET_S ovl|hf
+# Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
+commit=$1; budget=$2
+case "$3" in ovl|hf) ;; *) echo "usage: $0 COMMIT BUDGET_S ovl|hf" >&2; exit 2 ;; esac
+[ "$3" = ovl ] && { [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "ovl needs a host of 4 or more GPUs" >&2; exit 2; }; }
+source benchmarks/results/device_env.sh
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+build_kernels
+case "$3" in
+ovl)
+  for r in "2 sdp4bit_overlap sdp4bit" "5 sdp4bit sdp4bit_overlap"; do set -- $r
+    python3 -m benchmarks e2e --transport nodes --models 406M --topologies 4x1 2x2 --configs $2 $3 --link-gbps $1 \
+      --nccl-sockets 4x4 --probe-link --warmup 3 --timed 10 --timeout 120 --out $OUT/ovl$1 \
+      --deadline $((budget - SECONDS)) > $OUT/ovl$1.log 2>&1
+    grep "\[e2e\]" $OUT/ovl$1.log; done ;;
+hf)
+  for g in 0 1; do gpn=$(( g == 0 ? 2 : 1 ))
+    (CUDA_VISIBLE_DEVICES=$g RANKS_PER_GPU=4 NPROC=4 GPUS_PER_NODE=$gpn WHEELS=.whl/hf OUT=$OUT/hf_share4_${gpn} \
+       timeout $((budget - SECONDS - 20)) bash benchmarks/gpu_hf.sh > $OUT/hf_share4_${gpn}.log 2>&1; echo "rc $?" >> $OUT/hf_share4_${gpn}.log) &
+  done; wait; tail -n 8 $OUT/hf_share4_*.log ;;
+esac
+pack_out
