@@ -10,10 +10,11 @@
 #   hf   the Trainer path (benchmarks/gpu_hf.sh) with 4 ranks sharing GPU 0 as 2 nodes x 2 and, beside it, 4 ranks
 #        sharing GPU 1 as 4 nodes x 1, with the carried transformers / accelerate wheels (.whl/hf) when the
 #        machine's are older than the hf extra's
-# usage: bash THIS COMMIT BUDGET_S ovl|hf
+#   hf4  (after hf ran out of time) one rank per GPU, 4 GPUs as 2 nodes x 2, with the carried wheels
+# usage: bash THIS COMMIT BUDGET_S ovl|hf|hf4
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
-case "$3" in ovl|hf) ;; *) echo "usage: $0 COMMIT BUDGET_S ovl|hf" >&2; exit 2 ;; esac
+case "$3" in ovl|hf|hf4) ;; *) echo "usage: $0 COMMIT BUDGET_S ovl|hf|hf4" >&2; exit 2 ;; esac
 [ "$3" = ovl ] && { [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "ovl needs a host of 4 or more GPUs" >&2; exit 2; }; }
 source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -25,10 +26,16 @@ ovl)
       --nccl-sockets 4x4 --probe-link --warmup 3 --timed 10 --timeout 120 --out $OUT/ovl$1 \
       --deadline $((budget - SECONDS)) > $OUT/ovl$1.log 2>&1
     grep "\[e2e\]" $OUT/ovl$1.log; done ;;
-hf)
+hf)  # (OUT under /tmp: the Trainer's checkpoints made the first call's results.tgz too large to come back)
   for g in 0 1; do gpn=$(( g == 0 ? 2 : 1 ))
-    (CUDA_VISIBLE_DEVICES=$g RANKS_PER_GPU=4 NPROC=4 GPUS_PER_NODE=$gpn WHEELS=.whl/hf OUT=$OUT/hf_share4_${gpn} \
+    (CUDA_VISIBLE_DEVICES=$g RANKS_PER_GPU=4 NPROC=4 GPUS_PER_NODE=$gpn WHEELS=.whl/hf OUT=/tmp/hf_share4_${gpn} \
        timeout $((budget - SECONDS - 20)) bash benchmarks/gpu_hf.sh > $OUT/hf_share4_${gpn}.log 2>&1; echo "rc $?" >> $OUT/hf_share4_${gpn}.log) &
   done; wait; tail -n 8 $OUT/hf_share4_*.log ;;
+hf4)  # the nineteenth session's second try: one rank per GPU, 4 GPUs as 2 nodes x 2 (as in the eighteenth session),
+      # now with transformers / accelerate at the hf extra's versions (hf's ZeRO-3 over sockets did not finish)
+  WHEELS=.whl/hf OUT=/tmp/hf4 GPUS_PER_NODE=2 timeout $((budget - SECONDS - 15)) bash benchmarks/gpu_hf.sh > $OUT/hf4.log 2>&1
+  echo "rc $?" >> $OUT/hf4.log; tail -n 8 $OUT/hf4.log ;;
 esac
+for d in /tmp/hf4 /tmp/hf_share4_*; do [ -d $d ] || continue   # the logs only, not the checkpoints
+  (cd $d && find . -name log.json -o -name env.txt | tar czf $OUT/$(basename $d)_logs.tgz -T -); done
 pack_out
