@@ -1410,3 +1410,23 @@ def test_repeat_check_compares_repeats_of_one_run_step_by_step():
     losses["p/z"] = [3.0] * 20
     assert report.repeat_check(fork, losses) == ""
     assert "15 common steps: identical at every step" in report.repeat_check([a, j], losses)
+
+
+def test_overlap_pairs_are_rows_of_one_run_that_differ_in_the_overlap_key_alone():
+    snap = {"sdp4bit.enabled": True, "sdp4bit.weights.pieces": 16, "sdp4bit.weights.overlap": False}
+
+    def row(rid, name, ms, **snap_kw):
+        return {"row_id": f"{rid}/{name}", "run_id": rid, "status": "ok", "model": "406M", "topology": "2x2",
+                "mode": "4 GPUs, nodes", "replica": "full", "link_gbps": 2.0, "ms_per_step": ms, "ms_min": ms - 1,
+                "ms_max": ms + 1, "machine": "G", "commit": "c", "created": rid,
+                "config_snapshot": dict(snap, **snap_kw)}
+    on = row("a", "ovl", 90.0, **{"sdp4bit.weights.overlap": True})
+    off = row("a", "inside", 100.0)
+    rows = [on, off,
+            row("a", "one_piece", 80.0, **{"sdp4bit.weights.pieces": 1}),            # differs in pieces too
+            row("b", "inside", 50.0),                                                # another run
+            dict(row("a", "zero3", 70.0), config_snapshot={"zero_optimization.stage": 3})]
+    assert [(a["row_id"], b["row_id"]) for a, b in report.overlap_pairs(rows)] == [("a/ovl", "a/inside")]
+    table = report.overlap_table(rows)
+    assert "| 90 (89-91) | 100 (99-101) | 0.900 |" in table
+    assert report.overlap_table([off, row("b", "ovl", 1.0, **{"sdp4bit.weights.overlap": True})]) is None
