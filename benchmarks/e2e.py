@@ -103,6 +103,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="profile the last N steps of each run (train_gpt.py --profile-steps): rank 0's Chrome "
                         "trace and top ops come back in OUT/<run id>_profiles/")
+    p.add_argument("--step-sync", choices=("device", "stream"), default="device",
+                   help="what each timed step waits for (train_gpt.py --step-sync; recorded as the rows' "
+                        "step_sync): 'device' every stream (every row up to the nineteenth session), which times "
+                        "an overlapped weight refresh (weights.overlap) inside its own step, so the overlap cannot "
+                        "show a gain; 'stream' the current stream, as a training loop that reads its loss")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for train_gpt.py (repeat; e.g. --train-arg=--zero-init)")
 
@@ -292,7 +297,7 @@ def run(args) -> int:
                                                         f"{n_gpus} GPUs, {args.transport}")) if world > 1
                        else ("cpu" if cpu else "1 GPU"),
                        "link_gbps": gbps, "nccl_socket_nthreads": threads, "nccl_nsocks_perthread": nsocks,
-                       "link_delay_us": delay}
+                       "link_delay_us": delay, "step_sync": args.step_sync}
                 if any(x.replica == "node" for x in (v, partner) if x) and gpn == 1 and nodes > 1:
                     row.update(status="skipped", reason="replica node with one rank per node is the full "
                                                         "replica; the integration refuses it")
@@ -335,7 +340,8 @@ def run(args) -> int:
                          "--heads", str(shape["heads"]), "--seq", str(args.seq),
                          "--micro-batch", str(args.micro_batch), "--steps", str(steps), "--random-tokens",
                          "--eval-every", "0", "--eval-batches", "0", "--torch-adam", "yes",
-                         "--log-flush", "1"]  # a config killed at its timeout keeps the steps it timed
+                         "--log-flush", "1",  # a config killed at its timeout keeps the steps it timed
+                         "--step-sync", args.step_sync]
                 # every parameter of d64 is below ZeRO-3's persistence threshold
                 extra = ["zero_optimization.stage3_param_persistence_threshold=0"] if model == "tiny" else []
                 # the partner's: its own, then what applies to the whole run (as the primary's --ds-set below)

@@ -18,9 +18,13 @@ STEPS=${STEPS:-200}
 [ "$STEPS" -ge 2 ] || { echo "STEPS must be >= 2 (the resume check stops half-way)" >&2; exit 2; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # required on multi-GPU hosts
 RPG=${RANKS_PER_GPU:-1}
-# (the GPUs this command may use: CUDA_VISIBLE_DEVICES's list where it is set, else every GPU of the host)
-if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then NGPU=$(echo "$CUDA_VISIBLE_DEVICES" | tr , '\n' | grep -c .); else NGPU=$(nvidia-smi -L | wc -l); fi
-NPROC=${NPROC:-$(( RPG * NGPU ))}
+# (the GPUs this command may use: CUDA_VISIBLE_DEVICES's list where it is set, even empty, else every GPU of the host)
+if [ -z "${NPROC:-}" ]; then
+  if [ -n "${CUDA_VISIBLE_DEVICES+set}" ]; then NGPU=$(echo "$CUDA_VISIBLE_DEVICES" | tr , '\n' | { grep -c . || true; })
+  else NGPU=$(nvidia-smi -L | wc -l); fi
+  NPROC=$(( RPG * NGPU ))
+fi
+[ "$NPROC" -ge 1 ] || { echo "no GPU to run on (CUDA_VISIBLE_DEVICES='${CUDA_VISIBLE_DEVICES-}'); set NPROC" >&2; exit 2; }
 SHARE=(); [ "$RPG" -gt 1 ] && SHARE=(benchmarks/share_gpu.py)
 TOPO=(); [ -n "${GPUS_PER_NODE:-}" ] && TOPO=(--ds-set "sdp4bit.topology.gpus_per_node=$GPUS_PER_NODE")
 mkdir -p "$OUT"

@@ -261,11 +261,18 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict], fam: str = SHARE,
                 or r.get("paired_with"):
             continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again; a
             # paired one (e2e --paired) shared its process with another engine
-        if nvlink_point(r, fam) and r.get("bound_ms"):
+        # an opt-in variant (e.g. sdp4bit_overlap): no projection compares it, and its own parameters would fit its
+        # few rows exactly
+        opt_in = fit_key(r) not in PROJECTED
+        if nvlink_point(r, fam) and r.get("bound_ms") and not opt_in:
             out.append(Point(fit_key(r), r["model"], r["topology"], float(r["bound_ms"]), 0.0, math.inf, NVLINK,
                              float(r["ms_per_step"]), r.get("row_id", ""), None, "none on a shaped link"))
             continue
         if family(r) != fam:
+            continue
+        if opt_in:
+            skipped.append(f"{r.get('row_id')}: {fit_key(r)}, a variant no projection compares "
+                           f"({', '.join(PROJECTED)})")
             continue
         if not r.get("bound_ms") or not r.get("wire_bytes_total"):
             skipped.append(f"{r.get('row_id')}: no compute bound or bytes")

@@ -118,6 +118,7 @@ from gpt import GPT, GPTConfig, count_params, flops_per_token  # noqa: E402
 from shutdown import exit_ranks  # noqa: E402
 
 DEFAULT_RANDOM_VOCAB = 50304
+STEP_SYNCS = ("device", "stream")   # --step-sync
 
 
 # ----------------------------------------------------------------------------------------------- arguments
@@ -191,6 +192,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--count-wire-bytes (both engines' traffic would mix)")
     b.add_argument("--paired-ds-set", action="append", default=[], metavar="KEY=JSON",
                    help="--ds-set for the --paired-ds-config")
+    b.add_argument("--step-sync", choices=STEP_SYNCS, default="device",
+                   help="what a timed step waits for before and after it on a GPU: 'device' (default, every "
+                        "committed row up to the nineteenth session) every stream of the device "
+                        "(torch.cuda.synchronize), so work a config leaves in flight on a side stream (the "
+                        "overlapped weight refresh, weights.overlap) is timed inside the step that queued it and "
+                        "never beside the next one; 'stream' the current stream only, as a training loop that reads "
+                        "its loss waits: what a side stream still runs is waited for where the next step needs it, "
+                        "inside that step's time")
     b.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="torch.profiler over the last N steps (CPU and CUDA): rank 0 writes a Chrome trace and "
                         "the top ops to --profile-dir")
@@ -296,8 +305,13 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _sync() -> None:
-    if not ON_CPU:
+def _sync(mode: str = "device") -> None:
+    """Wait for the GPU's work (nothing on CPU): every stream of the device, or (``"stream"``) the current one."""
+    if ON_CPU:
+        return
+    if mode == "stream":
+        torch.cuda.current_stream().synchronize()
+    else:
         torch.cuda.synchronize()
 
 
@@ -589,7 +603,7 @@ def main(argv=None) -> dict:
         """One optimizer step of ``eng``: (mean loss, whether a rank is past --stop-at-time, seconds)."""
         for group in eng.optimizer.param_groups:
             group["lr"] = lr
-        _sync()
+        _sync(args.step_sync)
         t0 = time.perf_counter()
         with torch.profiler.record_function(f"train_step {step + 1} {tag}"):   # marks steps in a --profile-steps trace
             # [summed loss, ranks past --stop-at-time]: one all-reduce per step carries both, so every rank stops
@@ -606,7 +620,7 @@ def main(argv=None) -> dict:
                 acc[1] = 1.0
             torch.distributed.all_reduce(acc)
             loss_total, past = acc.tolist()
-            _sync()
+            _sync(args.step_sync)
         return loss_total / (args.grad_accum * args.replay_ranks * world), past, time.perf_counter() - t0
 
     def destroy():   # before exit_ranks, which runs no destructors (a decoupled checkpoint writer commits here)

@@ -277,8 +277,12 @@ def test_e2e_and_report_on_cpu(tmp_path):
                      "--link-delay-us", "200"], tmp_path)
     # the third measures its own link first (--probe-link): its rows take the rate from that measurement
     _suite(common + ["--topologies", "2x1", "--configs", "sdp4bit:full", "sdp4bit:node", "--probe-link",
-                     "--probe-mb", "1", "--probe-seconds", "0.2"], tmp_path)
+                     "--probe-mb", "1", "--probe-seconds", "0.2", "--step-sync", "stream"], tmp_path)
     rows = json.loads((out / "throughput.json").read_text())
+    # what each timed step waited for reaches train_gpt.py (which refuses an unknown value) and the rows
+    assert {(r["topology"], r["variant"], r["step_sync"]) for r in rows} == {
+        ("1x1", "zero3", "device"), ("2x1", "zero3", "device"), ("1x2", "zero3", "device"),
+        ("2x1", "sdp4bit:full", "stream"), ("2x1", "sdp4bit:node", "stream")}
     by = {(r["topology"], r["variant"]): r for r in rows}
     assert set(by) == {("1x1", "zero3"), ("2x1", "zero3"), ("1x2", "zero3"), ("2x1", "sdp4bit:full"),
                        ("2x1", "sdp4bit:node")}
@@ -1415,18 +1419,55 @@ def test_repeat_check_compares_repeats_of_one_run_step_by_step():
 def test_overlap_pairs_are_rows_of_one_run_that_differ_in_the_overlap_key_alone():
     snap = {"sdp4bit.enabled": True, "sdp4bit.weights.pieces": 16, "sdp4bit.weights.overlap": False}
 
-    def row(rid, name, ms, **snap_kw):
-        return {"row_id": f"{rid}/{name}", "run_id": rid, "status": "ok", "model": "406M", "topology": "2x2",
-                "mode": "4 GPUs, nodes", "replica": "full", "link_gbps": 2.0, "ms_per_step": ms, "ms_min": ms - 1,
-                "ms_max": ms + 1, "machine": "G", "commit": "c", "created": rid,
-                "config_snapshot": dict(snap, **snap_kw)}
-    on = row("a", "ovl", 90.0, **{"sdp4bit.weights.overlap": True})
-    off = row("a", "inside", 100.0)
+    def row(rid, name, ms, topology="2x2", link_gbps=2.0, step_sync=None, **snap_kw):
+        r = {"row_id": f"{rid}/{name}", "run_id": rid, "status": "ok", "model": "406M", "topology": topology,
+             "mode": "4 GPUs, nodes", "replica": "full", "link_gbps": link_gbps, "ms_per_step": ms,
+             "ms_min": ms - 1, "ms_max": ms + 1, "machine": "G", "commit": "c", "created": rid,
+             "config_snapshot": dict(snap, **snap_kw)}
+        return r if step_sync is None else dict(r, step_sync=step_sync)
+    ovl = {"sdp4bit.weights.overlap": True}
+    on, off = row("a", "ovl", 90.0, **ovl), row("a", "inside", 100.0)
     rows = [on, off,
             row("a", "one_piece", 80.0, **{"sdp4bit.weights.pieces": 1}),            # differs in pieces too
             row("b", "inside", 50.0),                                                # another run
+            row("a", "inside_4x1", 60.0, topology="4x1"),                            # another topology
+            row("a", "inside_5g", 40.0, link_gbps=5.0),                              # another link setting
+            row("a", "inside_stream", 30.0, step_sync="stream"),                     # timed another way
             dict(row("a", "zero3", 70.0), config_snapshot={"zero_optimization.stage": 3})]
     assert [(a["row_id"], b["row_id"]) for a, b in report.overlap_pairs(rows)] == [("a/ovl", "a/inside")]
     table = report.overlap_table(rows)
-    assert "| 90 (89-91) | 100 (99-101) | 0.900 |" in table
-    assert report.overlap_table([off, row("b", "ovl", 1.0, **{"sdp4bit.weights.overlap": True})]) is None
+    assert "| every stream | 90 (89-91) | 100 (99-101) | 0.900 |" in table
+    # rows timed on the current stream pair with each other, and say so
+    s_on = row("c", "ovl", 45.0, step_sync="stream", **ovl)
+    s_off = row("c", "inside", 50.0, step_sync="stream")
+    assert [(a["row_id"], b["row_id"]) for a, b in report.overlap_pairs([s_on, s_off, off])] == [("c/ovl", "c/inside")]
+    assert "| the current stream | 45 (44-46) | 50 (49-51) | 0.900 |" in report.overlap_table([s_on, s_off])
+    assert report.overlap_table([off, row("b", "ovl", 1.0, **ovl)]) is None
+
+
+def test_train_gpt_step_sync_waits_for_every_stream_or_the_current_one(monkeypatch):
+    """--step-sync device: torch.cuda.synchronize (every stream, so an overlapped refresh is timed inside the step
+    that queued it); stream: the current stream only. On CPU nothing is waited for."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_train_gpt_sync", suite.TRAIN)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(suite.TRAIN.parent))
+    spec.loader.exec_module(mod)
+    assert mod.parse_args(["--ds-config", "c.json"]).step_sync == "device"
+    assert mod.parse_args(["--ds-config", "c.json", "--step-sync", "stream"]).step_sync == "stream"
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--ds-config", "c.json", "--step-sync", "none"])
+    calls = []
+
+    class Stream:
+        def synchronize(self):
+            calls.append("stream")
+    monkeypatch.setattr(mod.torch.cuda, "synchronize", lambda *a: calls.append("device"))
+    monkeypatch.setattr(mod.torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(mod, "ON_CPU", False)
+    mod._sync("device")
+    mod._sync("stream")
+    assert calls == ["device", "stream"]
+    monkeypatch.setattr(mod, "ON_CPU", True)
+    mod._sync("device")
+    assert calls == ["device", "stream"]

@@ -646,6 +646,13 @@ def test_bytes_on_the_link_per_mode_and_the_nodes_fit():
     assert {p.row_id for p in res["points"]} == {r["row_id"] for r in rows}
     assert any(s.startswith("n/off: unshaped") for s in res["skipped"])
     assert res["max_error"] < 0.01 and abs(res["fit"].e - e) < 0.02
+    # an opt-in variant is no point of the fit (no projection compares it), and is listed as left out
+    ovl = [dict(r, row_id=r["row_id"] + "_ovl", config="sdp4bit_overlap", variant="sdp4bit_overlap", ms_per_step=1.0)
+           for r in rows if r["config"] == "sdp4bit"]
+    assert ovl
+    res2 = projection.fit_and_check(rows + ovl, link_rows, split, "4 GPUs, nodes", counts)
+    assert {p.row_id for p in res2["points"]} == {r["row_id"] for r in rows} and res2["max_error"] < 0.01
+    assert sum("a variant no projection compares" in s for s in res2["skipped"]) == len(ovl)
     assert projection.default_split(projection.SHARE) == "alternate"
     # a config with check rows only (no fitted rows): not predicted, and not counted as checked
     zp = dict(rows[-1], row_id="n/zp", config="zeropp", variant="zeropp", replica=None, gpus_per_node=1,

@@ -11,31 +11,39 @@
 #        sharing GPU 1 as 4 nodes x 1, with the carried transformers / accelerate wheels (.whl/hf) when the
 #        machine's are older than the hf extra's
 #   hf4  (after hf ran out of time) one rank per GPU, 4 GPUs as 2 nodes x 2, with the carried wheels
-# usage: bash THIS COMMIT BUDGET_S ovl|hf|hf4
+#   ovls (added after the session's calls, not run yet) ovl with each timed step waiting for the current stream only
+#        (e2e --step-sync stream): ovl's steps waited for every stream, which holds the overlapped refresh inside the
+#        step that queued it, so ovl measured the overlap's cost, never what it hides
+# usage: bash THIS COMMIT BUDGET_S ovl|ovls|hf|hf4
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
-case "$3" in ovl|hf|hf4) ;; *) echo "usage: $0 COMMIT BUDGET_S ovl|hf|hf4" >&2; exit 2 ;; esac
-[ "$3" = ovl ] && { [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "ovl needs a host of 4 or more GPUs" >&2; exit 2; }; }
+case "$3" in ovl|ovls|hf|hf4) ;; *) echo "usage: $0 COMMIT BUDGET_S ovl|ovls|hf|hf4" >&2; exit 2 ;; esac
+case "$3" in ovl*) [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "$3 needs a host of 4 or more GPUs" >&2; exit 2; } ;; esac
+left() { local s=$((budget - SECONDS - $1)); [ $s -gt 0 ] || s=1; echo $s; }   # seconds to a margin before the budget
 source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 build_kernels
 case "$3" in
-ovl)
+ovl|ovls)
+  m=$3; sync=device; [ $m = ovls ] && sync=stream
   for r in "2 sdp4bit_overlap sdp4bit" "5 sdp4bit sdp4bit_overlap"; do set -- $r
     python3 -m benchmarks e2e --transport nodes --models 406M --topologies 4x1 2x2 --configs $2 $3 --link-gbps $1 \
-      --nccl-sockets 4x4 --probe-link --warmup 3 --timed 10 --timeout 120 --out $OUT/ovl$1 \
-      --deadline $((budget - SECONDS)) > $OUT/ovl$1.log 2>&1
-    grep "\[e2e\]" $OUT/ovl$1.log; done ;;
+      --nccl-sockets 4x4 --probe-link --warmup 3 --timed 10 --timeout 120 --step-sync $sync --out $OUT/$m$1 \
+      --deadline $(left 0) > $OUT/$m$1.log 2>&1
+    grep "\[e2e\]" $OUT/$m$1.log; done ;;
 hf)  # (OUT under /tmp: the Trainer's checkpoints made the first call's results.tgz too large to come back)
+  rm -rf /tmp/hf_share4_*   # a warm machine's earlier runs would be resumed or packed
   for g in 0 1; do gpn=$(( g == 0 ? 2 : 1 ))
     (CUDA_VISIBLE_DEVICES=$g RANKS_PER_GPU=4 NPROC=4 GPUS_PER_NODE=$gpn WHEELS=.whl/hf OUT=/tmp/hf_share4_${gpn} \
-       timeout $((budget - SECONDS - 20)) bash benchmarks/gpu_hf.sh > $OUT/hf_share4_${gpn}.log 2>&1; echo "rc $?" >> $OUT/hf_share4_${gpn}.log) &
+       timeout $(left 20) bash benchmarks/gpu_hf.sh > $OUT/hf_share4_${gpn}.log 2>&1; echo "rc $?" >> $OUT/hf_share4_${gpn}.log) &
   done; wait; tail -n 8 $OUT/hf_share4_*.log ;;
 hf4)  # the nineteenth session's second try: one rank per GPU, 4 GPUs as 2 nodes x 2 (as in the eighteenth session),
-      # now with transformers / accelerate at the hf extra's versions (hf's ZeRO-3 over sockets did not finish)
-  WHEELS=.whl/hf OUT=/tmp/hf4 GPUS_PER_NODE=2 timeout $((budget - SECONDS - 15)) bash benchmarks/gpu_hf.sh > $OUT/hf4.log 2>&1
+      # now with transformers / accelerate at the hf extra's versions (in hf, ZeRO-3 over sockets took most of the
+      # call and SDP4Bit's runs were cut)
+  rm -rf /tmp/hf4
+  WHEELS=.whl/hf OUT=/tmp/hf4 GPUS_PER_NODE=2 timeout $(left 15) bash benchmarks/gpu_hf.sh > $OUT/hf4.log 2>&1
   echo "rc $?" >> $OUT/hf4.log; tail -n 8 $OUT/hf4.log ;;
 esac
-for d in /tmp/hf4 /tmp/hf_share4_*; do [ -d $d ] || continue   # the logs only, not the checkpoints
-  (cd $d && find . -name log.json -o -name env.txt | tar czf $OUT/$(basename $d)_logs.tgz -T -); done
+case "$3" in hf*) for d in /tmp/hf4 /tmp/hf_share4_*; do [ -d $d ] || continue   # the logs only, not the checkpoints
+  (cd $d && find . -name log.json -o -name env.txt | tar czf $OUT/$(basename $d)_logs.tgz -T -); done ;; esac
 pack_out
