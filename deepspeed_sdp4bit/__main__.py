@@ -208,7 +208,7 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
     from .collectives import gradients as G
     from .config import parse_ds_config
     from .step_bytes import SCHEMES, node_link_bytes, step_bytes, totals
-    from .topology import TopologyShape, resolve_gpus_per_node
+    from .topology import TopologyShape, job_gpus_per_node
 
     if world < 1:
         raise ValueError(f"--world must be >= 1, got {world}")
@@ -241,7 +241,7 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         if not cfg.active:
             lines.append(f"SDP4Bit is off for this job: {off_reason or 'nothing of it is enabled'}")
         try:
-            gpn = resolve_gpus_per_node(cfg.topology.gpus_per_node, world)
+            gpn = job_gpus_per_node(cfg.topology.gpus_per_node, world)
         except ValueError as e:
             raise SDP4BitConfigError(str(e)) from None
     src = ("sdp4bit.topology.gpus_per_node" if cfg.topology.gpus_per_node is not None
@@ -379,7 +379,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (SDP4BitConfigError, NotImplementedError, ValueError) as e:
         print(f"error: {a.ds_config}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(p, indent=1) if a.json else f"{a.ds_config}: OK for {a.world} ranks\n" + format_plan(p))
+    print(json.dumps(p, indent=1) if a.json else f"{a.ds_config}: OK for {a.world} rank{'' if a.world == 1 else 's'}\n" + format_plan(p))
     return 0
 
 

@@ -361,6 +361,8 @@ def _format_error(e: ValidationError) -> str:
             msg = msg[len("Value error, "):]
         elif err.get("type") == "model_type":   # pydantic names its class ("... instance of WeightsConfig")
             msg = f"must be a JSON object of keys, got {json.dumps(err.get('input'), default=str)}"
+        elif err.get("type") in ("literal_error", "enum"):   # "Input should be 4 or 8": say what was given
+            msg = f"{msg}, got {_said(err.get('input'))}"
         lines.append(f"  {BLOCK_KEY}.{loc}: {msg}" if loc else f"  {BLOCK_KEY}: {msg}")
     return "invalid sdp4bit config:\n" + "\n".join(lines)
 

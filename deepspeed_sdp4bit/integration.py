@@ -60,7 +60,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .config import BLOCK_KEY, SDP4BitConfig, SDP4BitConfigError, parse_ds_config, validate_against_ds_config
-from .topology import Topology, resolve_gpus_per_node
+from .topology import Topology, job_gpus_per_node
 
 logger = logging.getLogger("deepspeed_sdp4bit")
 
@@ -250,11 +250,8 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
     if world_size == 1:
         # before the topology: a single process needs no LOCAL_WORLD_SIZE, and a cluster's gpus_per_node holds
         return RunPlan(ds_config, off, "world size 1: there is nothing to send")
-    setting = cfg.topology.gpus_per_node
-    if setting is not None and int(setting) >= world_size:
-        setting = world_size   # a node larger than the job: every rank is on one node
-    try:
-        gpn = resolve_gpus_per_node(setting, world_size)
+    try:   # (a node larger than the job: every rank on one node)
+        gpn = job_gpus_per_node(cfg.topology.gpus_per_node, world_size)
     except ValueError as e:
         raise SDP4BitConfigError(str(e)) from None
     nodes = world_size // gpn

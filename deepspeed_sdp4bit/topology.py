@@ -71,6 +71,17 @@ def resolve_gpus_per_node(setting: Optional[int], world_size: int) -> int:
     return gpn
 
 
+def job_gpus_per_node(setting: Optional[int], world_size: int) -> int:
+    """``gpus_per_node`` of a job of ``world_size`` ranks, as the integration plans it: 1 for a single process
+    (which needs no launcher, so no LOCAL_WORLD_SIZE), a configured node larger than the job clamped to the job
+    (every rank on one node), else :func:`resolve_gpus_per_node`."""
+    if world_size == 1:
+        return 1
+    if setting is not None and int(setting) >= world_size:
+        setting = world_size
+    return resolve_gpus_per_node(setting, world_size)
+
+
 @dataclass
 class Topology:
     """The layout over a live data-parallel group, with its intra- and inter-node process groups.

@@ -231,3 +231,13 @@ def test_readme_key_table_is_the_config_itself():
     keys = [line.split("`")[1] for line in block.splitlines()[2:]]
     assert "weights.replica" in keys and "gradients.align_params" in keys and "topology.gpus_per_node" in keys
     assert all(not k.endswith(("weights", "gradients", "topology")) for k in keys)   # sections are not keys
+
+
+@pytest.mark.parametrize("block,line", [
+    ({"weights": {"bits": 3}}, "sdp4bit.weights.bits: Input should be 4 or 8, got 3 (an integer)"),
+    ({"weights": {"replica": "Full"}}, """sdp4bit.weights.replica: Input should be 'node' or 'full', got "Full" (a string)"""),
+])
+def test_a_value_outside_the_allowed_ones_says_what_was_given(block, line):
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_block(block)
+    assert line in str(e.value).splitlines()[1]

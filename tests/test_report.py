@@ -107,6 +107,12 @@ def test_omitted_topology_uses_gpus_per_node_and_config_value_wins(capsys):
     del ds["sdp4bit"]["topology"]
     with pytest.raises(SDP4BitConfigError, match="LOCAL_WORLD_SIZE.*pass --gpus-per-node"):
         report.plan(ds, 8, None)
+    # as the integration plans a job: a single process needs no launcher (no LOCAL_WORLD_SIZE), and a configured
+    # node larger than the job holds the whole job
+    p = report.plan(ds, 1, None)
+    assert p["shape"] == [1, 1] and any("world size 1: there is nothing to send" in ln for ln in p["lines"])
+    ds["sdp4bit"]["topology"] = {"gpus_per_node": 8}
+    assert report.plan(ds, 4, None)["shape"] == [1, 4]
 
 
 @pytest.mark.parametrize("mutate", [
