@@ -324,7 +324,30 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
                                   f"rank: overriding zero_optimization.{k}={zero[k]}")
                 zero.pop(k, None)
             zero[key] = big
+        if w.overlap:
+            _unsynchronize_throughput_timer(ds, notes)
     return RunPlan(ds, cfg, None, notes)
+
+
+def _unsynchronize_throughput_timer(ds: Dict[str, Any], notes: List[str]) -> None:
+    """``weights.overlap``: DeepSpeed's throughput timer (``timers.throughput``, on and synchronized by default)
+    synchronizes the whole device when ``step()`` ends and when a forward starts, which would wait for the
+    refresh left in flight on its side stream every step; set it unsynchronized (CPU clock) where the key is
+    omitted, refuse an explicit ``true``."""
+    timers = ds.get("timers")
+    tp = timers.get("throughput") if isinstance(timers, dict) else None
+    tp = tp if isinstance(tp, dict) else {}
+    if tp.get("enabled", True) is False:
+        return
+    if tp.get("synchronized") is True:
+        raise SDP4BitConfigError(
+            "sdp4bit.weights.overlap leaves the weight refresh in flight when step() returns, but "
+            "timers.throughput.synchronized=true makes DeepSpeed wait for the whole device at the end of every "
+            "step: remove that key (sdp4bit sets it to false) or set weights.overlap to false")
+    if "synchronized" not in tp:
+        ds["timers"] = dict(timers if isinstance(timers, dict) else {}, throughput=dict(tp, synchronized=False))
+        notes.append("weights.overlap: timers.throughput.synchronized set to false (DeepSpeed's throughput timer "
+                     "would wait for the whole device, the refresh included, at the end of every step)")
 
 
 def prepare_ds_config(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int] = None,

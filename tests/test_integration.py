@@ -597,6 +597,7 @@ def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
                                                         weights={**PIECES, "overlap": overlap})))
         rep = e.sdp4bit.replica
         r = _pieces_report(e)
+        r["tput_synchronized"] = e.tput_timer.config.synchronized   # DeepSpeed's per-step device sync
         r["losses"] = du.train_steps(e, steps - 1, rank)
         # one more step by hand: after step() the refresh may still be in flight; the forward waits for it
         loss = e(du.batch(steps - 1, 0, rank).to(e.device))
@@ -636,6 +637,7 @@ def _check_pieces(r):
 def test_full_replica_in_pieces():
     runs = family(_pieces_worker, STEPS, (True,))
     r = runs[0]["overlap=True"]
+    assert r["tput_synchronized"] is False   # the plan's timers.throughput.synchronized reached the engine
     _check_pieces(r)
     _check_full_replicas([x["overlap=True"] for x in runs], "replicas")
     _close(r["losses"], runs[0]["plain"][:STEPS - 1], 3e-2)
@@ -677,6 +679,8 @@ def test_overlap_on_cuda_matches_the_refresh_inside_step():
     on, off = runs[0]["overlap=True"], runs[0]["overlap=False"]
     _check_pieces(on)
     assert on["streamed"] and not off["streamed"] and on["hooks"] > 0
+    # DeepSpeed's throughput timer would synchronize the device at every step's end (and wait for the refresh)
+    assert on["tput_synchronized"] is False and off["tput_synchronized"] is True
     # the step returned with the refresh in flight (no stage waited), the next forward waited stage by stage
     assert on["waited_after_step"] == -1 and off["waited_after_step"] == off["n_stages"] - 1
     # same math on another stream: bit-identical losses and replicas

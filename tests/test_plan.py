@@ -108,7 +108,28 @@ def test_overlap_with_the_node_replica_is_said_not_silently_dropped():
     assert plan.cfg.weights.replica == "node" and any("weights.overlap" in n and "full replica only" in n
                                                        for n in plan.notes)
     full = plan_run(_ds({**block, "weights": {"replica": "full", "overlap": True}}), 4)
-    assert not any("overlap" in n for n in full.notes)
+    assert [n for n in full.notes if "overlap" in n] == [
+        "weights.overlap: timers.throughput.synchronized set to false (DeepSpeed's throughput timer would wait for "
+        "the whole device, the refresh included, at the end of every step)"]
+
+
+def test_overlap_unsynchronizes_deepspeeds_throughput_timer():
+    """DeepSpeed's throughput timer (on and synchronized by default) synchronizes the device when step() ends and
+    a forward starts, which would wait for the overlapped refresh every step."""
+    block = {"topology": {"gpus_per_node": 2}, "weights": {"replica": "full", "overlap": True}}
+    ds = _ds(block)
+    plan = plan_run(ds, 4)
+    assert plan.ds_config["timers"] == {"throughput": {"synchronized": False}} and "timers" not in ds
+    # the user's other timer keys are kept; an explicit false, or the timer off, are left alone
+    kept = plan_run(dict(_ds(block), timers={"throughput": {"steps_per_output": 5}}), 4).ds_config["timers"]
+    assert kept == {"throughput": {"steps_per_output": 5, "synchronized": False}}
+    for t in ({"throughput": {"synchronized": False}}, {"throughput": {"enabled": False}}):
+        assert plan_run(dict(_ds(block), timers=t), 4).ds_config["timers"] == t
+    with pytest.raises(SDP4BitConfigError, match=r"timers\.throughput\.synchronized=true .* remove that key"):
+        plan_run(dict(_ds(block), timers={"throughput": {"synchronized": True}}), 4)
+    # without the overlap (or with the node replica, refreshed inside step()) DeepSpeed's timer is untouched
+    for w in ({"replica": "full"}, {"replica": "node", "overlap": True}):
+        assert "timers" not in plan_run(_ds({**block, "weights": w}), 4).ds_config
 
 
 @pytest.mark.parametrize("nodes,gpn,block,want", [
