@@ -14,7 +14,7 @@
 #   ovls (added after the session's calls, not run yet) ovl with each timed step waiting for the current stream only
 #        (e2e --step-sync stream): ovl's steps waited for every stream, which holds the overlapped refresh inside the
 #        step that queued it, so ovl measured the overlap's cost, never what it hides (as did DeepSpeed's throughput
-#        timer, synchronized by default, at every step's end: since 0cf2482's successor SDP4Bit sets it unsynchronized
+#        timer, synchronized by default, at every step's end: since a4ae335 SDP4Bit sets it unsynchronized
 #        with the overlap, so run ovls at a commit with that)
 # usage: bash THIS COMMIT BUDGET_S ovl|ovls|hf|hf4
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
