@@ -198,6 +198,9 @@ def run(args) -> int:
     variants = [suite.Variant.parse(c) for c in args.configs]
     if args.paired and len(variants) != 2:
         raise SystemExit(f"e2e: --paired times two configs against each other; got {len(variants)} ({args.configs})")
+    if args.paired and args.step_sync == "stream":
+        raise SystemExit("e2e: --paired with --step-sync stream: what one engine leaves in flight (an overlapped "
+                         "weight refresh) would run during its partner's timed step; pair with --step-sync device")
     if args.paired and variants[0].label == variants[1].label:
         raise SystemExit(f"e2e: --paired needs two different configs, got {variants[0].label} twice")
     if args.paired:

@@ -271,7 +271,7 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict], fam: str = SHARE,
         if family(r) != fam:
             continue
         if opt_in:
-            skipped.append(f"{r.get('row_id')}: {fit_key(r)}, a variant no projection compares "
+            skipped.append(f"{r.get('row_id')}: {fit_key(r)} is none of the configs a projection compares "
                            f"({', '.join(PROJECTED)})")
             continue
         if not r.get("bound_ms") or not r.get("wire_bytes_total"):

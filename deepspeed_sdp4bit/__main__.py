@@ -244,7 +244,7 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
             gpn = job_gpus_per_node(cfg.topology.gpus_per_node, world)
         except ValueError as e:
             raise SDP4BitConfigError(str(e)) from None
-    src = ("sdp4bit.topology.gpus_per_node" if cfg.topology.gpus_per_node is not None
+    src = ("one process" if world == 1 else "sdp4bit.topology.gpus_per_node" if cfg.topology.gpus_per_node is not None
            else "gpus_per_node omitted: the launcher's ranks per host, --gpus-per-node")
     shape = TopologyShape(world // gpn, gpn)
     N, g = shape.num_nodes, shape.gpus_per_node

@@ -52,6 +52,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import json
 import logging
 import warnings
 import weakref
@@ -334,16 +335,22 @@ def _unsynchronize_throughput_timer(ds: Dict[str, Any], notes: List[str]) -> Non
     synchronizes the whole device when ``step()`` ends and when a forward starts, which would wait for the
     refresh left in flight on its side stream every step; set it unsynchronized (CPU clock) where the key is
     omitted, refuse an explicit ``true``."""
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig   # (how DeepSpeed reads the block)
     timers = ds.get("timers")
     tp = timers.get("throughput") if isinstance(timers, dict) else None
     tp = tp if isinstance(tp, dict) else {}
-    if tp.get("enabled", True) is False:
+    try:
+        read = DeepSpeedThroughputTimerConfig(**tp)
+    except Exception:   # DeepSpeed refuses the block itself, naming it, when the engine reads it
         return
-    if tp.get("synchronized") is True:
+    if not read.enabled:
+        return
+    if "synchronized" in tp and read.synchronized:
         raise SDP4BitConfigError(
             "sdp4bit.weights.overlap leaves the weight refresh in flight when step() returns, but "
-            "timers.throughput.synchronized=true makes DeepSpeed wait for the whole device at the end of every "
-            "step: remove that key (sdp4bit sets it to false) or set weights.overlap to false")
+            f"timers.throughput.synchronized={json.dumps(tp['synchronized'])} makes DeepSpeed wait for the whole "
+            "device at the end of every step: remove that key (sdp4bit sets it to false) or set weights.overlap to "
+            "false")
     if "synchronized" not in tp:
         ds["timers"] = dict(timers if isinstance(timers, dict) else {}, throughput=dict(tp, synchronized=False))
         notes.append("weights.overlap: timers.throughput.synchronized set to false (DeepSpeed's throughput timer "

@@ -246,6 +246,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.paired_ds_config and (a.checkpoint_dir or a.resume or a.count_wire_bytes or a.eval_every or a.eval_batches):
         p.error("--paired-ds-config times two engines: it excludes --checkpoint-dir / --resume / "
                 "--count-wire-bytes, and needs --eval-every 0 --eval-batches 0")
+    if a.paired_ds_config and a.step_sync == "stream":
+        p.error("--paired-ds-config with --step-sync stream: what one engine leaves in flight (an overlapped weight "
+                "refresh) would run during the other engine's timed step; pair with --step-sync device")
     if a.profile_steps < 0 or a.profile_steps > a.steps:
         p.error(f"--profile-steps must be in [0, --steps={a.steps}], got {a.profile_steps}")
     if bool(a.profile_steps) != bool(a.profile_dir):

@@ -1457,6 +1457,16 @@ def test_train_gpt_step_sync_waits_for_every_stream_or_the_current_one(monkeypat
     assert mod.parse_args(["--ds-config", "c.json", "--step-sync", "stream"]).step_sync == "stream"
     with pytest.raises(SystemExit):
         mod.parse_args(["--ds-config", "c.json", "--step-sync", "none"])
+    # two engines alternating: one's overlapped refresh would run inside the other's timed step
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--ds-config", "c.json", "--paired-ds-config", "d.json", "--eval-every", "0",
+                        "--eval-batches", "0", "--step-sync", "stream"])
+    assert mod.parse_args(["--ds-config", "c.json", "--paired-ds-config", "d.json", "--eval-every", "0",
+                           "--eval-batches", "0"]).step_sync == "device"
+    from benchmarks.__main__ import main
+    with pytest.raises(SystemExit, match="--paired with --step-sync stream"):
+        main(["e2e", "--configs", "zero3", "sdp4bit", "--paired", "--timed", "10", "--step-sync", "stream",
+              "--out", "/nonexistent"])
     calls = []
 
     class Stream:

@@ -585,11 +585,31 @@ def _pieces_report(e):
             "streamed": rep._stream is not None, "hooks": len(rep._hooks)}
 
 
+@contextlib.contextmanager
+def _device_syncs():
+    """Count DeepSpeed's device-wide synchronizations (``get_accelerator().synchronize()``) inside the block."""
+    from deepspeed.accelerator import get_accelerator
+    acc, calls = get_accelerator(), []
+    orig = acc.synchronize
+
+    def counted(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+    acc.synchronize = counted
+    try:
+        yield calls
+    finally:
+        del acc.synchronize   # (the instance attribute; the class's method again)
+
+
 def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
     du = _setup()
     res = {}
     plain = du.make_engine(du.base_config())
-    res["plain"] = du.train_steps(plain, steps, rank)
+    res["plain"] = du.train_steps(plain, steps - 1, rank)
+    with _device_syncs() as calls:   # a step from the third on: DeepSpeed's synchronized throughput timer
+        res["plain"] += du.train_steps(plain, 1, rank, start_step=steps - 1)
+    res["plain_device_syncs"] = len(calls)
     del plain
     for overlap in overlaps:
         # the torch kernels on gloo; on CUDA the automatic choice (kernel_backend omitted), what users run
@@ -600,9 +620,11 @@ def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
         r["tput_synchronized"] = e.tput_timer.config.synchronized   # DeepSpeed's per-step device sync
         r["losses"] = du.train_steps(e, steps - 1, rank)
         # one more step by hand: after step() the refresh may still be in flight; the forward waits for it
-        loss = e(du.batch(steps - 1, 0, rank).to(e.device))
-        e.backward(loss)
-        e.step()
+        with _device_syncs() as calls:   # none with the overlap: it would wait for the refresh
+            loss = e(du.batch(steps - 1, 0, rank).to(e.device))
+            e.backward(loss)
+            e.step()
+        r["device_syncs"] = len(calls)
         r["waited_after_step"] = rep._waited
         e.sdp4bit.wait()
         r["replicas"] = _cpu(_replica_report(e))
@@ -638,6 +660,8 @@ def test_full_replica_in_pieces():
     runs = family(_pieces_worker, STEPS, (True,))
     r = runs[0]["overlap=True"]
     assert r["tput_synchronized"] is False   # the plan's timers.throughput.synchronized reached the engine
+    # no device-wide synchronize in a step with the overlap; plain ZeRO-3's timer does one (the count works)
+    assert r["device_syncs"] == 0 and runs[0]["plain_device_syncs"] > 0
     _check_pieces(r)
     _check_full_replicas([x["overlap=True"] for x in runs], "replicas")
     _close(r["losses"], runs[0]["plain"][:STEPS - 1], 3e-2)
@@ -681,7 +705,10 @@ def test_overlap_on_cuda_matches_the_refresh_inside_step():
     assert on["streamed"] and not off["streamed"] and on["hooks"] > 0
     # DeepSpeed's throughput timer would synchronize the device at every step's end (and wait for the refresh)
     assert on["tput_synchronized"] is False and off["tput_synchronized"] is True
-    # the step returned with the refresh in flight (no stage waited), the next forward waited stage by stage
+    # what lets the refresh run beside the next forward: no device-wide synchronize in a step (from the third on)
+    assert on["device_syncs"] == 0 and off["device_syncs"] > 0
+    # step() returned with no stage waited for (our bookkeeping; that nothing synchronized the device is the
+    # device_syncs check below)
     assert on["waited_after_step"] == -1 and off["waited_after_step"] == off["n_stages"] - 1
     # same math on another stream: bit-identical losses and replicas
     assert on["losses"] == off["losses"]

@@ -121,12 +121,17 @@ def test_overlap_unsynchronizes_deepspeeds_throughput_timer():
     plan = plan_run(ds, 4)
     assert plan.ds_config["timers"] == {"throughput": {"synchronized": False}} and "timers" not in ds
     # the user's other timer keys are kept; an explicit false, or the timer off, are left alone
-    kept = plan_run(dict(_ds(block), timers={"throughput": {"steps_per_output": 5}}), 4).ds_config["timers"]
-    assert kept == {"throughput": {"steps_per_output": 5, "synchronized": False}}
+    kept = plan_run(dict(_ds(block), timers={"throughput": {"enabled": True}}), 4).ds_config["timers"]
+    assert kept == {"throughput": {"enabled": True, "synchronized": False}}
     for t in ({"throughput": {"synchronized": False}}, {"throughput": {"enabled": False}}):
         assert plan_run(dict(_ds(block), timers=t), 4).ds_config["timers"] == t
-    with pytest.raises(SDP4BitConfigError, match=r"timers\.throughput\.synchronized=true .* remove that key"):
-        plan_run(dict(_ds(block), timers={"throughput": {"synchronized": True}}), 4)
+    # read as DeepSpeed reads it: whatever it takes for true is refused
+    for v, said in ((True, "true"), ("true", '"true"'), (1, "1")):
+        with pytest.raises(SDP4BitConfigError, match=rf"timers\.throughput\.synchronized={said} .* remove that key"):
+            plan_run(dict(_ds(block), timers={"throughput": {"synchronized": v}}), 4)
+    # planning the prepared config again gives the same config, and no second note
+    again = plan_run(plan.ds_config, 4)
+    assert again.ds_config == plan.ds_config and not any("overlap" in n for n in again.notes)
     # without the overlap (or with the node replica, refreshed inside step()) DeepSpeed's timer is untouched
     for w in ({"replica": "full"}, {"replica": "node", "overlap": True}):
         assert "timers" not in plan_run(_ds({**block, "weights": w}), 4).ds_config
