@@ -219,7 +219,8 @@ def choose_replica(gpus_per_node: int, n_params: Optional[int], budget: float, d
         return "node", what
     need, allowed = 2 * int(n_params), budget * int(device_bytes)
     fits = need <= allowed
-    why = (f"bf16 copy {need / 2**30:.2f} GiB {'<=' if fits else '>'} {budget:g} x {int(device_bytes) / 2**30:.1f} "
+    copy = f"{need / 2**30:.2f} GiB" if need >= 2**28 else f"{need / 2**20:.1f} MiB"   # (a small model: MiB)
+    why = (f"bf16 copy {copy} {'<=' if fits else '>'} {budget:g} x {int(device_bytes) / 2**30:.1f} "
            f"GiB of one accelerator's memory (the smallest over the ranks; host RAM under DeepSpeed's CPU "
            f"accelerator; weights.full_replica_budget)")
     if fits:

@@ -218,8 +218,9 @@ def main(argv=None) -> dict:
         targs.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=targs.hf_deepspeed_config)
 
     data, desc = load_corpus(args.data)
-    if args.max_bytes:
+    if args.max_bytes and args.max_bytes < data.numel():
         data = data[:args.max_bytes]
+        desc += f", its first {args.max_bytes} bytes (--max-bytes)"
     train, held = split_corpus(data)
     train_ds = ByteWindows(train, args.seq)
     eval_ds = ByteWindows(held, args.seq, limit=args.eval_samples)

@@ -63,7 +63,10 @@ def test_omitted_replica_full_when_it_fits_the_budget():
     assert small.cfg.weights.replica == "full" and small.off_reason is None
     zero = small.ds_config["zero_optimization"]
     assert zero["stage3_param_persistence_threshold"] >= 1 << 40 and "zero_hpz_partition_size" not in zero
-    assert any("replica 'full'" in n and "full_replica_budget" in n for n in small.notes)
+    assert any("replica 'full'" in n and "full_replica_budget" in n and "bf16 copy 1.86 GiB" in n for n in small.notes)
+    # a small model's copy in MiB, not "0.00 GiB"
+    tiny = plan_run(_ds(block), 4, n_params=1_000_000, device_bytes=80 * GiB)
+    assert any("bf16 copy 1.9 MiB <= 0.25 x 80.0 GiB" in n for n in tiny.notes)
 
     big = plan_run(_ds(block), 4, n_params=20_000_000_000, device_bytes=80 * GiB)    # 40 GB > 20 GB
     assert big.cfg.weights.replica == "node"
