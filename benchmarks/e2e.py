@@ -49,6 +49,8 @@ from typing import Dict, List, Optional
 from . import link, suite
 
 SLOW_DEFAULT = ["zero3", "zeropp", "tlq_hs"]
+# --step-sync (train_gpt.py's): what each timed step waits for, in words
+STEP_SYNC = {"device": "every stream", "stream": "the current stream"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -103,7 +105,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="profile the last N steps of each run (train_gpt.py --profile-steps): rank 0's Chrome "
                         "trace and top ops come back in OUT/<run id>_profiles/")
-    p.add_argument("--step-sync", choices=("device", "stream"), default="device",
+    p.add_argument("--step-sync", choices=tuple(STEP_SYNC), default="device",
                    help="what each timed step waits for (train_gpt.py --step-sync; recorded as the rows' "
                         "step_sync): 'device' every stream (every row up to the nineteenth session), which times "
                         "an overlapped weight refresh (weights.overlap) inside its own step, so the overlap cannot "
