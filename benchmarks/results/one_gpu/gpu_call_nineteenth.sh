@@ -11,7 +11,7 @@
 #        sharing GPU 1 as 4 nodes x 1, with the carried transformers / accelerate wheels (.whl/hf) when the
 #        machine's are older than the hf extra's
 #   hf4  (after hf ran out of time) one rank per GPU, 4 GPUs as 2 nodes x 2, with the carried wheels
-#   ovls (added after the session's calls, not run yet) ovl with each timed step waiting for the current stream only
+#   ovls (added after the session's calls; run in the twentieth session on 2 GPUs as 2x1, see below) ovl with each timed step waiting for the current stream only
 #        (e2e --step-sync stream): ovl's steps waited for every stream, which holds the overlapped refresh inside the
 #        step that queued it, so ovl measured the overlap's cost, never what it hides (as did DeepSpeed's throughput
 #        timer, synchronized by default, at every step's end: since a4ae335 SDP4Bit sets it unsynchronized
@@ -20,7 +20,10 @@
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
 case "$3" in ovl|ovls|hf|hf4) ;; *) echo "usage: $0 COMMIT BUDGET_S ovl|ovls|hf|hf4" >&2; exit 2 ;; esac
-case "$3" in ovl*) [ "$(nvidia-smi -L | wc -l)" -ge 4 ] || { echo "$3 needs a host of 4 or more GPUs" >&2; exit 2; } ;; esac
+# (ovl needs 4 GPUs; ovls runs 4x1 and 2x2 on 4 or more, 2x1 on 2 or 3: the twentieth session was lent 2)
+G=$(nvidia-smi -L | wc -l)
+case "$3" in ovl) [ $G -ge 4 ] || { echo "ovl needs a host of 4 or more GPUs" >&2; exit 2; } ;;
+  ovls) [ $G -ge 2 ] || { echo "ovls needs a host of 2 or more GPUs" >&2; exit 2; } ;; esac
 left() { local s=$((budget - SECONDS - $1)); [ $s -gt 0 ] || s=1; echo $s; }   # seconds to a margin before the budget
 source benchmarks/results/device_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -30,8 +33,11 @@ ovl|ovls)
   # ovls: both configs with DeepSpeed's throughput timer unsynchronized (the plan does so for the overlapped one
   # only), so the two differ in weights.overlap alone
   m=$3; sync=device; tm=(); [ $m = ovls ] && sync=stream && tm=(--train-arg=--ds-set --train-arg=timers.throughput.synchronized=false)
-  for r in "2 sdp4bit_overlap sdp4bit" "5 sdp4bit sdp4bit_overlap"; do set -- $r
-    python3 -m benchmarks e2e --transport nodes --models 406M --topologies 4x1 2x2 --configs $2 $3 --link-gbps $1 \
+  topos="4x1 2x2"; rates="2:sdp4bit_overlap:sdp4bit 5:sdp4bit:sdp4bit_overlap"
+  # two GPUs: 2 nodes x 1, also unshaped (the step shortest there, so the forward the overlap can hide the largest share)
+  [ $G -lt 4 ] && topos=2x1 && rates="$rates off:sdp4bit_overlap:sdp4bit"
+  for r in $rates; do set -- ${r//:/ }
+    python3 -m benchmarks e2e --transport nodes --models 406M --topologies $topos --configs $2 $3 --link-gbps $1 \
       --nccl-sockets 4x4 --probe-link --warmup 3 --timed 10 --timeout 120 --step-sync $sync "${tm[@]}" --out $OUT/$m$1 \
       --deadline $(left 0) > $OUT/$m$1.log 2>&1
     grep "\[e2e\]" $OUT/$m$1.log; done ;;
