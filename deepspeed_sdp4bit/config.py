@@ -88,9 +88,9 @@ class WeightsConfig(_Strict):
     # the exchange buffers hold one piece, not a whole sub-group.  Full replica, with ``overlap``: the pieces
     # run on a side stream and a module's forward waits only for the pieces holding the parameters below it
     # (as FSDP2 prefetches), so the next forward starts before the whole exchange has arrived; without it the
-    # refresh completes inside ``step()``.  Off by default: with 4 ranks sharing one GPU over sockets it
-    # measured 0.95-1.26x the step time of the refresh inside step() (benchmarks/results/findings.md); it stays an
-    # opt-in until it is measured on one process per GPU.  The node replica is always refreshed inside
+    # refresh completes inside ``step()``.  Off by default: with one rank per GPU and a loop that waits for its
+    # loss after step() it ran faster where the link was slow, but the fast end and the two-level topologies are
+    # not resolved yet (benchmarks/results/findings.md, "overlap").  The node replica is always refreshed inside
     # ``step()`` (DeepSpeed's own gathers read it, prefetching ahead of the forward).
     pieces: int = Field(16, ge=1, le=256,
                         description=("the weight refresh after each step runs in this many pieces cut at module "
@@ -98,7 +98,7 @@ class WeightsConfig(_Strict):
     overlap: bool = Field(False,
                           description=("`full` replica: the pieces on a side stream, each module's forward waiting "
                                        "only for its own; sets DeepSpeed's timers.throughput.synchronized to false where omitted, "
-                                       "refuses true (off: no gain shown yet; see the README's support table)"))
+                                       "refuses true (off by default: faster where the link is slow, the fast end not resolved; see the README's support table)"))
 
     @field_validator("group_size")
     @classmethod
