@@ -539,8 +539,7 @@ def bytes_table(params, nodes, gpus_per_node, link_gbps, replica) -> List[str]:
     return lines
 
 
-BASELINES = ("zero3", "zeropp")   # what a projection compares SDP4Bit against
-PROJECTED = BASELINES + ("sdp4bit/full", "sdp4bit/node")  # what a projection compares
+PROJECTED = ("zero3", "zeropp", "sdp4bit/full", "sdp4bit/node")  # what a projection compares
 COUNTS_FILE = "wire_counts.json"   # counted rows that say how often DeepSpeed gathers a model (ds_gathers)
 
 

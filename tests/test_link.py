@@ -449,31 +449,6 @@ def test_report_with_and_without_rate_rows(tmp_path, capsys):
     assert report.rate_png(rows, res, d / "speedup_vs_rate.png") and (d / "speedup_vs_rate.png").stat().st_size > 0
 
 
-def test_a_host_family_without_baseline_rows_gets_no_projection_or_goal(tmp_path, capsys):
-    """A multi-GPU host's knob rows of SDP4Bit configs alone (e.g. the overlap timed against the default) fit a
-    model but answer no speed-up: the report writes no projection file and no goal row for that family; with a
-    ZeRO-3 row of the family it does."""
-    rows, _, _, _ = _nodes_rows()
-    two = [dict(r, mode="2 GPUs, nodes") for r in rows]
-    d = tmp_path / "res"
-    d.mkdir()
-    P = 1e8   # ZeRO-3 counted to gather the model once per step, as the synthetic rows' formula bytes assume
-    (d / projection.COUNTS_FILE).write_text(json.dumps([{"model": "406M", "config": "zero3", "n_params": P,
-                                                         "wire_counted_per_step": {
-                                                             "all_gather_into_tensor@2:intra": 2 * P / 2,
-                                                             "reduce_scatter_tensor@2:intra": 2 * P / 2}}]))
-    args = Namespace(dir=str(d), no_readme=True, no_png=True, smooth=5)
-    (d / "throughput.json").write_text(json.dumps(rows + [r for r in two if r["config"] == "sdp4bit"]))
-    report.run(args)
-    assert "2 GPUs, nodes: no zero3 or zeropp row on the link" in capsys.readouterr().out
-    goals = (d / "goals.md").read_text()
-    assert not (d / "projection_2gpus_nodes.md").exists() and "2 GPUs, nodes" not in goals
-    assert (d / "projection_4gpus_nodes.md").exists() and "4 GPUs, nodes" in goals
-    (d / "throughput.json").write_text(json.dumps(rows + two))
-    report.run(args)
-    assert (d / "projection_2gpus_nodes.md").exists() and "2 GPUs, nodes" in (d / "goals.md").read_text()
-
-
 def test_projection_is_withheld_unless_the_fit_is_validated(tmp_path, capsys):
     rows, link_rows = _synthetic_rows()
     d = tmp_path / "res"
