@@ -584,6 +584,10 @@ def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: i
     out["wire_bytes_total"] = sum(out["wire_bytes_per_step"].values())
     out["wire_bytes_source"] = "sdp4bit_* levels: engine.sdp4bit_summary() of the last step; others: formula"
     out.update(_counted(timed))
+    cycle = [r.get("cycle_ms") for r in timed]
+    if all(c is not None for c in cycle):   # (train_gpt.py records it since the twentieth session; not paired)
+        # from one step's end to the next: the loop's untimed work between steps included
+        out.update(cycle_ms_per_step=suite.median(cycle), steps_cycle_ms=[round(c, 2) for c in cycle])
     return out
 
 

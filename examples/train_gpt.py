@@ -634,6 +634,7 @@ def main(argv=None) -> dict:
     prof = None
     # the last --profile-steps steps (from the first step of a resumed run that starts inside them)
     prof_from = max(end_step - args.profile_steps, start_step) if args.profile_steps else None
+    prev_end = None   # when the previous step ended (cycle_ms; one engine only)
     with contextlib.ExitStack() as exits:   # closes the profiler however the loop ends
         for step in range(start_step, end_step):
             lr = lr_at(step, args)
@@ -641,9 +642,14 @@ def main(argv=None) -> dict:
                 acts = [torch.profiler.ProfilerActivity.CPU] + ([] if ON_CPU else [torch.profiler.ProfilerActivity.CUDA])
                 prof = exits.enter_context(torch.profiler.profile(activities=acts))
             sent0 = wire_count.snapshot() if args.count_wire_bytes else None
-            pair = None
+            pair = cycle_ms = None
             if paired is None:
                 mean_loss, past_time, dt = train_step(engine, step, lr, "A")
+                # from the previous step's end to this one's: ``ms`` plus what the loop did between the two (its
+                # record, the log write, an evaluation or save), during which work left in flight (an overlapped
+                # weight refresh) runs uncounted by ``ms``
+                t_end = time.perf_counter()
+                cycle_ms, prev_end = (None if prev_end is None else (t_end - prev_end) * 1e3), t_end
             elif step % 2 == 0:   # A B, then B A: each engine goes first in every other step
                 mean_loss, past_time, dt = train_step(engine, step, lr, "A")
                 pair = train_step(paired, step, lr, "B")
@@ -652,6 +658,7 @@ def main(argv=None) -> dict:
                 mean_loss, past_time, dt = train_step(engine, step, lr, "A")
 
             rec = {"step": step + 1, "loss": mean_loss, "lr": lr, "ms": dt * 1e3,
+                   "cycle_ms": cycle_ms,
                    "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": _peak_mem_bytes()}
             if pair is not None:
                 rec.update(paired_loss=pair[0], paired_ms=pair[2] * 1e3, paired_first=step % 2 == 1)

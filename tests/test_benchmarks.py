@@ -3,6 +3,7 @@ ZeRO-3 reference (world size 1 replaying 4 ranks' micro-batches) matches a real 
 
 import json
 import os
+import statistics
 import tarfile
 import subprocess
 import sys
@@ -122,6 +123,8 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
         assert d["loss_last"] == z["loss_last"] and d["replica"] is None
         # one process held both: no peak memory of either, and neither is anyone's no-communication bound
         assert "peak_mem_bytes" not in z and "peak_mem_bytes" not in d
+        # a step's end-to-end time would hold the other engine's step too: not recorded for paired rows
+        assert "cycle_ms_per_step" not in z and "cycle_ms_per_step" not in d
         assert not any(k in r for r in (z, d) for k in ("bound_ms", "bound_fraction", "bound_source"))
         # the partner got its own --ds-set (the topology) and the run's (tiny's persistence threshold)
         with tarfile.open(out / f"{d['run_id']}_logs.tar.gz") as tf:
@@ -313,6 +316,10 @@ def test_e2e_and_report_on_cpu(tmp_path):
         r = by[key]
         assert r["status"] == "ok", r.get("error_tail")
         assert r["timed_steps"] == 2 and r["ms_min"] <= r["ms_per_step"] <= r["ms_max"]
+        # from one step's end to the next: each timed step's time and what the loop did after the one before
+        assert len(r["steps_cycle_ms"]) == 2 and r["cycle_ms_per_step"] == pytest.approx(
+            statistics.median(r["steps_cycle_ms"]), abs=0.01)
+        assert all(c >= m - 0.01 for c, m in zip(r["steps_cycle_ms"], r["steps_ms"][1:3]))
         assert r["tokens_per_s"] > 0 and r["peak_mem_bytes"] > 0 and r["bound_fraction"] > 0
         assert r["bound_source"] == by[("1x1", "zero3")]["row_id"]
     assert by[("1x1", "zero3")]["bound_fraction"] == 1.0
@@ -1441,7 +1448,11 @@ def test_overlap_pairs_are_rows_of_one_run_that_differ_in_the_overlap_key_alone(
     s_on = row("c", "ovl", 45.0, step_sync="stream", **ovl)
     s_off = row("c", "inside", 50.0, step_sync="stream")
     assert [(a["row_id"], b["row_id"]) for a, b in report.overlap_pairs([s_on, s_off, off])] == [("c/ovl", "c/inside")]
-    assert "| the current stream | 45 (44-46) | 50 (49-51) | 0.900 |" in report.overlap_table([s_on, s_off])
+    assert "| the current stream | 45 (44-46) | 50 (49-51) | 0.900 | not recorded |" in report.overlap_table([s_on, s_off])
+    # the end-to-end ratio where both rows recorded the time from one step's end to the next
+    assert "| 0.900 | 0.980 (49 / 50 ms) |" in report.overlap_table([dict(s_on, cycle_ms_per_step=49.0),
+                                                                   dict(s_off, cycle_ms_per_step=50.0)])
+    assert "| 0.900 | not recorded |" in report.overlap_table([dict(s_on, cycle_ms_per_step=49.0), s_off])
     assert report.overlap_table([off, row("b", "ovl", 1.0, **ovl)]) is None
 
 
