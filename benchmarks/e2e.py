@@ -485,7 +485,7 @@ def _partner_row(row: dict, partner: suite.Variant, snapshot: dict, log_json: Pa
     :func:`summarize_trace`, whose B steps are the partner's ``profile``."""
     other = dict(row, config_snapshot=snapshot, **_partner_identity(row, partner))
     for k in ("ms_per_step", "ms_min", "ms_max", "tokens_per_s", "timed_steps", "wire_bytes_per_step",
-              "wire_bytes_total", "loss_last", "replica", "steps_ms", "error"):
+              "wire_bytes_total", "loss_last", "replica", "steps_ms", "cycle_ms_per_step", "steps_cycle_ms", "error"):
         other.pop(k, None)
     if log_json.is_file():
         got = _summarize(log_json, warmup, partner, world, gpn, paired=True, n_timed=row.get("timed_steps_requested"))
@@ -585,7 +585,7 @@ def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: i
     out["wire_bytes_source"] = "sdp4bit_* levels: engine.sdp4bit_summary() of the last step; others: formula"
     out.update(_counted(timed))
     cycle = [r.get("cycle_ms") for r in timed]
-    if all(c is not None for c in cycle):   # (train_gpt.py records it since the twentieth session; not paired)
+    if all(c is not None for c in cycle):   # (train_gpt.py records it from d5eaee5 on; not for paired engines)
         # from one step's end to the next: the loop's untimed work between steps included
         out.update(cycle_ms_per_step=suite.median(cycle), steps_cycle_ms=[round(c, 2) for c in cycle])
     return out

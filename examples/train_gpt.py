@@ -46,7 +46,11 @@ world size, parameter count, FLOP formula, corpus, final ds_config, the parsed s
 sdp4bit communication summary comes from or why it is absent), ``steps`` (per optimizer step: loss = mean
 over ranks and micro-batches, lr, ms, tokens/s, peak memory of rank 0, grad norm, the sdp4bit summary),
 ``evals`` (held-out loss) and ``final``.  ms/step is wall time from before the first micro-batch to after
-the optimizer step and the loss all-reduce (evaluation and checkpointing are outside it).
+the optimizer step and the loss all-reduce (evaluation and checkpointing are outside it).  ``cycle_ms`` (one
+engine only; None for the first step of a run or of a resumed run, and with ``--paired-ds-config``): from the
+previous step's end to this one's, i.e. ``ms`` plus whatever the loop did between them (the record, the log
+write, an evaluation or a save, which inflate the next step's value), during which work ``step()`` left in flight
+(an overlapped weight refresh) still runs.
 
 Checkpoints: ``--checkpoint-dir DIR --save-every N`` (and always at the end); ``--resume`` continues from
 DIR's latest checkpoint (data order and schedule continue exactly; the log is continued too).
