@@ -379,7 +379,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (SDP4BitConfigError, NotImplementedError, ValueError) as e:
         print(f"error: {a.ds_config}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(p, indent=1) if a.json else f"{a.ds_config}: OK for {a.world} rank{'' if a.world == 1 else 's'}\n" + format_plan(p))
+    ranks = f"{a.world} rank{'' if a.world == 1 else 's'}"
+    print(json.dumps(p, indent=1) if a.json else f"{a.ds_config}: OK for {ranks}\n" + format_plan(p))
     return 0
 
 

@@ -97,8 +97,9 @@ class WeightsConfig(_Strict):
                                      "boundaries (smaller exchange buffers)"))
     overlap: bool = Field(False,
                           description=("`full` replica: the pieces on a side stream, each module's forward waiting "
-                                       "only for its own; sets DeepSpeed's timers.throughput.synchronized to false where omitted, "
-                                       "refuses true (off by default: faster where the link is slow, the fast end not resolved; see the README's support table)"))
+                                       "only for its own; sets DeepSpeed's timers.throughput.synchronized to false "
+                                       "where omitted, refuses true (off by default: faster where the link is slow, "
+                                       "the fast end not resolved; see the README's support table)"))
 
     @field_validator("group_size")
     @classmethod

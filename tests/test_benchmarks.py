@@ -1448,7 +1448,8 @@ def test_overlap_pairs_are_rows_of_one_run_that_differ_in_the_overlap_key_alone(
     s_on = row("c", "ovl", 45.0, step_sync="stream", **ovl)
     s_off = row("c", "inside", 50.0, step_sync="stream")
     assert [(a["row_id"], b["row_id"]) for a, b in report.overlap_pairs([s_on, s_off, off])] == [("c/ovl", "c/inside")]
-    assert "| the current stream | 45 (44-46) | 50 (49-51) | 0.900 | not recorded |" in report.overlap_table([s_on, s_off])
+    assert ("| the current stream | 45 (44-46) | 50 (49-51) | 0.900 | not recorded |"
+            in report.overlap_table([s_on, s_off]))
     # the end-to-end ratio where both rows recorded the time from one step's end to the next
     assert "| 0.900 | 0.980 (49 / 50 ms) |" in report.overlap_table([dict(s_on, cycle_ms_per_step=49.0),
                                                                    dict(s_off, cycle_ms_per_step=50.0)])

@@ -11,7 +11,8 @@
 #        sharing GPU 1 as 4 nodes x 1, with the carried transformers / accelerate wheels (.whl/hf) when the
 #        machine's are older than the hf extra's
 #   hf4  (after hf ran out of time) one rank per GPU, 4 GPUs as 2 nodes x 2, with the carried wheels
-#   ovls (added after the session's calls; run in the twentieth session on 2 GPUs as 2x1, see below) ovl with each timed step waiting for the current stream only
+#   ovls (added after the session's calls; run in the twentieth session on 2 GPUs as 2x1: one_gpu/README.md)
+#        ovl with each timed step waiting for the current stream only
 #        (e2e --step-sync stream): ovl's steps waited for every stream, which holds the overlapped refresh inside the
 #        step that queued it, so ovl measured the overlap's cost, never what it hides (as did DeepSpeed's throughput
 #        timer, synchronized by default, at every step's end: since a4ae335 SDP4Bit sets it unsynchronized
