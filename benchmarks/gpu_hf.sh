@@ -11,6 +11,9 @@
 # RANKS_PER_GPU=N: N ranks share each GPU, each its own NCCL host (benchmarks/share_gpu.py; NPROC defaults to N x GPUs),
 # so one GPU runs a multi-node job; GPUS_PER_NODE=G injects the topology (sdp4bit.topology.gpus_per_node) into the
 # SDP4Bit runs, e.g. 4 ranks as 2 nodes x 2: both levels active (one node of 4 would leave SDP4Bit off).
+# CONFIG=F (configs/F, default sdp4bit.json): the SDP4Bit config trained, stopped and resumed; COMPARE=F (default
+# zero3.json): the config it is compared with step by step (an SDP4Bit one also gets GPUS_PER_NODE), e.g.
+# CONFIG=sdp4bit_overlap.json COMPARE=sdp4bit.json: does the overlapped refresh change any loss under the Trainer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sdp4bit_hf}
@@ -45,16 +48,21 @@ run() {  # name config extra...
       --ds-config "configs/$cfg" --out "$OUT/$name" --max-steps "$STEPS" --d-model 256 --layers 4 --heads 4 --seq 256 \
       --micro-batch 8 "$@" 2>&1 | { grep -v "^\[rank" || true; } | tail -3
 }
-run zero3 zero3.json
-run sdp4bit sdp4bit.json "${TOPO[@]}"
-run resume sdp4bit.json --stop-at $(( STEPS / 2 )) "${TOPO[@]}"
-run resume sdp4bit.json --resume "${TOPO[@]}"
-python3 - "$OUT" <<'PY'
+CONFIG=${CONFIG:-sdp4bit.json}; COMPARE=${COMPARE:-zero3.json}
+A=${CONFIG%.json}; B=${COMPARE%.json}
+[ "$A" != "$B" ] && [ "$A" != resume ] && [ "$B" != resume ] || { echo "CONFIG and COMPARE: two configs, neither named resume" >&2; exit 2; }
+for c in "$CONFIG" "$COMPARE"; do [ -f "configs/$c" ] || { echo "no configs/$c" >&2; exit 2; }; done
+BTOPO=(); [ "$COMPARE" != zero3.json ] && BTOPO=("${TOPO[@]}")
+run "$B" "$COMPARE" "${BTOPO[@]}"
+run "$A" "$CONFIG" "${TOPO[@]}"
+run resume "$CONFIG" --stop-at $(( STEPS / 2 )) "${TOPO[@]}"
+run resume "$CONFIG" --resume "${TOPO[@]}"
+python3 - "$OUT" "$A" "$B" <<'PY'
 import json, os, sys
-out = sys.argv[1]
-L = {n: json.load(open(os.path.join(out, n, "log.json"))) for n in ("zero3", "sdp4bit", "resume")}
-z, s, r = (L[n]["losses"] for n in ("zero3", "sdp4bit", "resume"))
-print("max |sdp4bit - zero3| per step:", max(abs(s[k] - z[k]) for k in z))
+out, a, b = sys.argv[1:]
+L = {n: json.load(open(os.path.join(out, n, "log.json"))) for n in (b, a, "resume")}
+z, s, r = (L[n]["losses"] for n in (b, a, "resume"))
+print(f"max |{a} - {b}| per step:", max(abs(s[k] - z[k]) for k in z), "(identical)" if s == z else "")
 print("max |resumed - uninterrupted| per step:", max(abs(r[k] - s[k]) for k in r))
 for n, d in L.items():
     print(n, "held-out", d["eval_loss"], "reloaded", d.get("reloaded_eval_loss"))
