@@ -1455,6 +1455,21 @@ def test_overlap_pairs_are_rows_of_one_run_that_differ_in_the_overlap_key_alone(
                                                                    dict(s_off, cycle_ms_per_step=50.0)])
     assert "| 0.900 | not recorded |" in report.overlap_table([dict(s_on, cycle_ms_per_step=49.0), s_off])
     assert report.overlap_table([off, row("b", "ovl", 1.0, **ovl)]) is None
+    # repeated cells are pooled: pairs timed on the current stream only, two or more of them per cell
+    assert "Pooled" not in report.overlap_table([s_on, s_off, on, off])
+    reps = []
+    for rid, r_on, cyc in (("p1", 80.0, 81.0), ("p2", 90.0, 91.0), ("p3", 85.0, None)):
+        cy = {} if cyc is None else {"cycle_ms_per_step": cyc}
+        reps += [dict(row(rid, "ovl", r_on, step_sync="stream", **ovl), **cy),
+                 dict(row(rid, "inside", 100.0, step_sync="stream"), **({} if cyc is None else {"cycle_ms_per_step": 101.0}))]
+    text = report.overlap_table(reps + [on, off])
+    g = (0.8 * 0.9 * 0.85) ** (1 / 3)
+    lines = [ln for ln in text.splitlines() if ln.startswith("| 406M | 2x2 | 4 GPUs, nodes |") and "pairs):" in ln]
+    assert len(lines) == 1 and f"| 3 | {g:.3f} (" in lines[0]
+    assert "3 pairs): overlap faster" in lines[0]                 # 0.80 .. 0.90: the interval lies below 1
+    assert f"| {((81 / 101) * (91 / 101)) ** 0.5:.3f} (" in lines[0] and "2 pairs): not resolved" in lines[0]
+    assert report._pool_ratios([1.2, 1.1, 1.15])[3] == "overlap slower"
+    assert report._pool_ratios([0.8, 1.2])[3] == "not resolved"
 
 
 def test_train_gpt_step_sync_waits_for_every_stream_or_the_current_one(monkeypatch):
