@@ -35,6 +35,9 @@ the formula's ``wire_bytes_*``), bound nothing, and stay out of the tables, the 
 ones.  ``--profile-steps N`` runs N more steps under torch.profiler after the timed ones: rank 0's Chrome trace
 and top-operator tables land in ``OUT/<run id>_profiles/``, and each row gets ``profile``, per profiled step its
 wall time, the GPU's busy time (the union of its kernel, copy and memset intervals) and the host's synchronize time.
+``--overlap-blocks N`` (configs that overlap their weight refresh): train_gpt.py switches ``weights.overlap`` on and
+off in blocks of N steps in one process; rows get ``overlap_ab`` (:func:`overlap_ab_stats`) and stay out of every
+table but overlap.md's own (their step median mixes both modes).
 """
 
 from __future__ import annotations
@@ -110,6 +113,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "step_sync): 'device' every stream (every row up to the nineteenth session), which times "
                         "an overlapped weight refresh (weights.overlap) inside its own step, so the overlap cannot "
                         "show a gain; 'stream' the current stream, as a training loop that reads its loss")
+    p.add_argument("--overlap-blocks", type=int, default=0, metavar="N",
+                   help="time the overlapped weight refresh against the refresh inside step() in ONE process: "
+                        "train_gpt.py --overlap-blocks N switches weights.overlap in blocks of N steps (on off off "
+                        "on ...); each config must overlap (e.g. sdp4bit_overlap); rows get overlap_ab (per pair of "
+                        "blocks, on over off: mean and standard error of the log ratio) and stay out of every other "
+                        "table; use with --step-sync stream (else the overlap cannot show a gain)")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for train_gpt.py (repeat; e.g. --train-arg=--zero-init)")
 
@@ -213,6 +222,9 @@ def run(args) -> int:
                              f"--slow: {' '.join(args.slow) or 'none'})")
     if args.profile_steps < 0:
         raise SystemExit(f"e2e: --profile-steps must be >= 0, got {args.profile_steps}")
+    bad = overlap_blocks_error(args, variants)
+    if bad:
+        raise SystemExit(f"e2e: {bad}")
     try:
         rates = [link.parse_gbps(g) for g in args.link_gbps] if args.link_gbps else [None]
         threads, nsocks = link.parse_sockets(args.nccl_sockets)
@@ -358,6 +370,8 @@ def run(args) -> int:
                     targs += ["--paired-ds-config", str(partner.path())]
                     for kv in partner_sets:
                         targs += ["--paired-ds-set", kv]
+                if args.overlap_blocks:
+                    targs += ["--overlap-blocks", str(args.overlap_blocks)]
                 if args.profile_steps:
                     targs += ["--profile-steps", str(args.profile_steps),
                               "--profile-dir", str(out / f"{run_id}_profiles")]
@@ -584,10 +598,78 @@ def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: i
     out["wire_bytes_total"] = sum(out["wire_bytes_per_step"].values())
     out["wire_bytes_source"] = "sdp4bit_* levels: engine.sdp4bit_summary() of the last step; others: formula"
     out.update(_counted(timed))
+    blocks = (meta.get("args") or {}).get("overlap_blocks")
+    if blocks:
+        out["overlap_ab"] = overlap_ab_stats(timed, blocks)
     cycle = [r.get("cycle_ms") for r in timed]
     if all(c is not None for c in cycle):   # (train_gpt.py records it from d5eaee5 on; not for paired engines)
         # from one step's end to the next: the loop's untimed work between steps included
         out.update(cycle_ms_per_step=suite.median(cycle), steps_cycle_ms=[round(c, 2) for c in cycle])
+    return out
+
+
+def overlap_blocks_error(args: argparse.Namespace, variants: List[suite.Variant]) -> Optional[str]:
+    """What is wrong with ``--overlap-blocks`` in these arguments (None: nothing, or not given)."""
+    n_blocks = args.overlap_blocks
+    if not n_blocks:
+        return None
+    if n_blocks < 2 or args.paired:
+        return f"--overlap-blocks must be >= 2 and excludes --paired, got {n_blocks}{' with --paired' * args.paired}"
+    if args.step_sync != "stream":
+        return ("--overlap-blocks needs --step-sync stream (waiting for every stream holds each overlapped refresh "
+                "inside the step that queued it: both modes would time the same)")
+    for v in variants:   # each config's own warm-up and timed steps (the --slow configs': --*-slow)
+        slow = v.config in args.slow
+        warm = (args.warmup_slow if args.warmup_slow is not None else args.warmup) if slow else args.warmup
+        n = args.timed_slow if slow else args.timed
+        pairs = len(block_pairs(range(warm + 1, warm + n + 1), n_blocks))
+        if pairs < 2:
+            more = "--timed-slow" if slow else "--timed"
+            return (f"--overlap-blocks {n_blocks}: {v.label}'s timed steps {warm + 1}..{warm + n} hold {pairs} "
+                    f"pair(s) of blocks with a step of each after its first, 2 needed (more {more}; a warm-up of a "
+                    f"multiple of {2 * n_blocks} steps starts the timed steps at a pair)")
+    return None
+
+
+def block_pairs(steps, blocks: int) -> List[int]:
+    """The pairs ``j`` of blocks (``2j``, ``2j+1``, blocks of ``blocks`` steps from step 1) in which both blocks
+    have a step of ``steps`` (1-based) other than their first."""
+    have = {(st - 1) // blocks for st in steps if (st - 1) % blocks}
+    return sorted(j for j in {b // 2 for b in have} if 2 * j in have and 2 * j + 1 in have)
+
+
+def overlap_ab_stats(timed: List[dict], blocks: int) -> Optional[dict]:
+    """train_gpt.py --overlap-blocks N: the overlapped weight refresh against the refresh inside ``step()`` in one
+    process.  Steps are in blocks of N (``overlap`` on in blocks 0, 3, 4, 7, ...); the first step of each block is
+    half of either mode and left out.  Blocks 2j and 2j+1 (one of each mode, each mode first in every other
+    pair) make a pair: per pair the log of the on block's median over the off block's, of ``ms`` and of
+    ``cycle_ms``; ``n`` pairs with both blocks timed (:func:`block_pairs`), ``ratio`` = exp(mean), ``log_ratio_se``,
+    and the medians of the steps of each mode in those pairs (``on_ms`` / ``off_ms``, ``on_cycle_ms`` /
+    ``off_cycle_ms``).  None with fewer than 2 pairs."""
+    by: Dict[int, List[dict]] = {}
+    for r in timed:
+        if "overlap" in r and not r.get("block_first"):
+            by.setdefault((r["step"] - 1) // blocks, []).append(r)
+    out: dict = {"blocks": blocks, "order": "on off off on ... (blocks of N; a block's first step left out)"}
+    for key, name in (("ms", ""), ("cycle_ms", "cycle_")):
+        logs, on_steps, off_steps = [], [], []
+        for j in block_pairs([r["step"] for blk in by.values() for r in blk], blocks):
+            pair = [by[2 * j], by[2 * j + 1]]
+            if any(r.get(key) is None for blk in pair for r in blk):
+                continue   # (cycle_ms: none for a run's or a resumed run's first step)
+            on, off = (pair if pair[0][0]["overlap"] else pair[::-1])
+            if not all(r["overlap"] for r in on) or any(r["overlap"] for r in off):
+                raise ValueError(f"overlap_ab_stats: blocks {2 * j} and {2 * j + 1} are not one of each mode")
+            logs.append(math.log(suite.median([r[key] for r in on]) / suite.median([r[key] for r in off])))
+            on_steps += [r[key] for r in on]
+            off_steps += [r[key] for r in off]
+        if len(logs) < 2:
+            return None if key == "ms" else out
+        m = sum(logs) / len(logs)
+        se = math.sqrt(sum((x - m) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
+        out.update({f"{name}n": len(logs), f"{name}ratio": math.exp(m), f"{name}log_ratio_mean": m,
+                    f"{name}log_ratio_se": se, f"on_{name}ms": suite.median(on_steps),
+                    f"off_{name}ms": suite.median(off_steps)})
     return out
 
 

@@ -50,7 +50,8 @@ run() {  # name config extra...
 }
 CONFIG=${CONFIG:-sdp4bit.json}; COMPARE=${COMPARE:-zero3.json}
 A=${CONFIG%.json}; B=${COMPARE%.json}
-[ "$A" != "$B" ] && [ "$A" != resume ] && [ "$B" != resume ] || { echo "CONFIG and COMPARE: two configs, neither named resume" >&2; exit 2; }
+[ "$A" != "$B" ] && [ "$A" != resume ] && [ "$B" != resume ] ||
+  { echo "CONFIG and COMPARE: two configs, neither named resume" >&2; exit 2; }
 for c in "$CONFIG" "$COMPARE"; do [ -f "configs/$c" ] || { echo "no configs/$c" >&2; exit 2; }; done
 BTOPO=(); [ "$COMPARE" != zero3.json ] && BTOPO=("${TOPO[@]}")
 run "$B" "$COMPARE" "${BTOPO[@]}"

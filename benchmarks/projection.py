@@ -258,9 +258,10 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict], fam: str = SHARE,
     out, skipped = [], []
     for r in rows:
         if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2 or r.get("reused_from") \
-                or r.get("paired_with"):
+                or r.get("paired_with") or "overlap_ab" in r:
             continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again; a
-            # paired one (e2e --paired) shared its process with another engine
+            # paired one (e2e --paired) shared its process with another engine; one of e2e --overlap-blocks mixed
+            # two modes in its steps
         # an opt-in variant (e.g. sdp4bit_overlap): no projection compares it, and its own parameters would fit its
         # few rows exactly
         opt_in = fit_key(r) not in PROJECTED

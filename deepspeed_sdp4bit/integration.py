@@ -777,6 +777,7 @@ class _Replica:
                         t.record_stream(self._stream)
             weakref.finalize(self, self._stream.synchronize)   # (the plans' tile tables)
         self._waited = self.n_stages - 1      # stages whose end the current stream has waited for
+        self.overlapping = self._stream is not None   # SDP4BitState.overlap switches it (the side stream stays)
         self._hooks = self._hook(module) if self._stream is not None and module is not None else []
         self._opt = weakref.ref(opt)
         if self.level == "full":
@@ -884,25 +885,30 @@ class _Replica:
         dirty, self._dirty = self._dirty, set()
         if not dirty:
             return
+        side = self._stream
         ctx = contextlib.nullcontext()
-        if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-            ctx = torch.cuda.stream(self._stream)
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(side.device))
+            ctx = torch.cuda.stream(side)
         with ctx:
             stage = 0
             for i, (s, k, a, b, plans) in enumerate(self.runs):
-                if self._stream is not None:
+                if side is not None:
                     while stage < s:
-                        self._events[stage].record(self._stream)
+                        self._events[stage].record(side)
                         stage += 1
                 if k in dirty:
                     self.weights.refresh(opt.fp32_partitioned_groups_flat[k][a:b],
                                          opt.fp16_partitioned_groups_flat[k][a:b], plans, step=step, bucket_id=i)
-            if self._stream is not None:
+            if side is not None:
                 while stage < self.n_stages:
-                    self._events[stage].record(self._stream)
+                    self._events[stage].record(side)
                     stage += 1
+        if side is not None:
+            if self.overlapping:
                 self._waited = -1
+            else:   # switched off (SDP4BitState.overlap): the same stream and memory, but step() waits for it all
+                torch.cuda.current_stream(side.device).wait_stream(side)
 
     def zero_padding(self, opt) -> None:
         """Zero the alignment padding of the flat partitions (DeepSpeed leaves it uninitialized).
@@ -1079,6 +1085,28 @@ class SDP4BitState:
         next step.  Call this before reading parameters outside a forward (e.g. a weight norm for logging)."""
         if self.replica is not None:
             self.replica.wait()
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the full replica's refresh is left in flight when ``step()`` returns (``weights.overlap`` on a
+        CUDA device).  Settable where it is built so, e.g. to time both ways in one process
+        (``examples/train_gpt.py --overlap-blocks``): False makes the current stream wait for a refresh in flight
+        now and for each later one inside the ``step()`` that queued it (still run on the side stream, so both ways
+        use the same memory; the forward hooks stay and then return at once)."""
+        rep = self.replica
+        return rep is not None and rep._stream is not None and rep.overlapping
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise TypeError(f"sdp4bit: engine.sdp4bit.overlap must be True or False, got {on!r}")
+        rep = self.replica
+        if rep is None or rep._stream is None:
+            raise ValueError("sdp4bit: engine.sdp4bit.overlap can only be switched where weights.overlap is on and "
+                             "active (the full replica on a CUDA device); here the refresh always runs inside step()")
+        if not on:
+            rep.wait()
+        rep.overlapping = on
 
     def resync(self, opt) -> None:
         """Exact re-synchronisation of every replica from the owners' bf16 partitions (collective)."""

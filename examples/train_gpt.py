@@ -50,7 +50,8 @@ the optimizer step and the loss all-reduce (evaluation and checkpointing are out
 engine only; None for the first step of a run or of a resumed run, and with ``--paired-ds-config``): from the
 previous step's end to this one's, i.e. ``ms`` plus whatever the loop did between them (the record, the log
 write, an evaluation or a save, which inflate the next step's value), during which work ``step()`` left in flight
-(an overlapped weight refresh) still runs.
+(an overlapped weight refresh) still runs.  ``--overlap-blocks N`` switches the overlapped weight refresh on and off
+in blocks of N steps (records get ``overlap`` and ``block_first``): both modes timed in one process.
 
 Checkpoints: ``--checkpoint-dir DIR --save-every N`` (and always at the end); ``--resume`` continues from
 DIR's latest checkpoint (data order and schedule continue exactly; the log is continued too).
@@ -196,6 +197,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--count-wire-bytes (both engines' traffic would mix)")
     b.add_argument("--paired-ds-set", action="append", default=[], metavar="KEY=JSON",
                    help="--ds-set for the --paired-ds-config")
+    b.add_argument("--overlap-blocks", type=int, default=0, metavar="N",
+                   help="time the overlapped weight refresh against the refresh inside step() in ONE process: "
+                        "steps in blocks of N, weights.overlap on in blocks 0, 3, 4, 7, 8, ... and off in the others "
+                        "(on off off on: each mode first in every other pair of blocks), switched through "
+                        "engine.sdp4bit.overlap; each step's record gets overlap (its mode) and block_first (the "
+                        "first step of a block, half of either mode: its forward or its refresh meets the other "
+                        "mode's).  Needs weights.overlap active (the full replica on a GPU); not with "
+                        "--paired-ds-config")
     b.add_argument("--step-sync", choices=STEP_SYNCS, default="device",
                    help="what a timed step waits for before and after it on a GPU: 'device' (default, every "
                         "committed row up to the nineteenth session) every stream of the device "
@@ -253,6 +262,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.paired_ds_config and a.step_sync == "stream":
         p.error("--paired-ds-config with --step-sync stream: what one engine leaves in flight (an overlapped weight "
                 "refresh) would run during the other engine's timed step; pair with --step-sync device")
+    if a.overlap_blocks < 0 or a.overlap_blocks == 1:
+        p.error(f"--overlap-blocks must be 0 (off) or >= 2 (a block's first step is half of either mode), got "
+                f"{a.overlap_blocks}")
+    if a.overlap_blocks and a.paired_ds_config:
+        p.error("--overlap-blocks and --paired-ds-config: one comparison per process")
     if a.profile_steps < 0 or a.profile_steps > a.steps:
         p.error(f"--profile-steps must be in [0, --steps={a.steps}], got {a.profile_steps}")
     if bool(a.profile_steps) != bool(a.profile_dir):
@@ -527,6 +541,11 @@ def main(argv=None) -> dict:
         print("WARNING: the ds_config enables sdp4bit but the engine exposes no sdp4bit_summary(); the log "
               "will carry no communication summary", file=sys.stderr, flush=True)
 
+    if args.overlap_blocks and not getattr(getattr(engine, "sdp4bit", None), "overlap", False):
+        raise SystemExit("train_gpt.py: --overlap-blocks switches weights.overlap step by step, but this engine does "
+                         "not overlap its weight refresh (sdp4bit.weights.overlap true with the full replica on a "
+                         "GPU is needed; on a CPU, with the node replica or with SDP4Bit off it never does)")
+
     train_s, eval_s, data_desc = build_samplers(
         data_paths=args.data, random_tokens=args.random_tokens, vocab=args.vocab, seq_len=args.seq,
         micro_batch=args.micro_batch, seed=args.data_seed, rank=rank, world_size=world)
@@ -647,6 +666,9 @@ def main(argv=None) -> dict:
                 prof = exits.enter_context(torch.profiler.profile(activities=acts))
             sent0 = wire_count.snapshot() if args.count_wire_bytes else None
             pair = cycle_ms = None
+            if args.overlap_blocks:   # blocks on off off on ...: each mode first in every other pair
+                block = step // args.overlap_blocks
+                engine.sdp4bit.overlap = block % 4 in (0, 3)
             if paired is None:
                 mean_loss, past_time, dt = train_step(engine, step, lr, "A")
                 # from the previous step's end to this one's: ``ms`` plus what the loop did between the two (its
@@ -664,6 +686,8 @@ def main(argv=None) -> dict:
             rec = {"step": step + 1, "loss": mean_loss, "lr": lr, "ms": dt * 1e3,
                    "cycle_ms": cycle_ms,
                    "tokens_per_s": tokens_per_step / dt, "peak_mem_bytes": _peak_mem_bytes()}
+            if args.overlap_blocks:
+                rec.update(overlap=engine.sdp4bit.overlap, block_first=step % args.overlap_blocks == 0)
             if pair is not None:
                 rec.update(paired_loss=pair[0], paired_ms=pair[2] * 1e3, paired_first=step % 2 == 1)
                 past_time = past_time or pair[1]

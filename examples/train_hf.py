@@ -23,7 +23,8 @@ end the weights go through ``trainer.save_model(OUT/final)`` (the bf16 weights t
 example turns on ``stage3_gather_16bit_weights_on_model_save`` when the config does not say), are loaded
 back with ``from_pretrained`` on rank 0 and evaluated on the same held-out batches as the engine.  Rank 0
 writes ``OUT/log.json``: per-step loss (mean over ranks, the Trainer's log), held-out losses, the last
-step's ``engine.sdp4bit_summary()``.
+step's ``engine.sdp4bit_summary()`` and ``sdp4bit_state`` (the replica the engine keeps and whether its refresh is
+left in flight, ``engine.sdp4bit.overlap``; null with SDP4Bit off).
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ class LossLog(TrainerCallback):
     def __init__(self, stop_at: int = 0):
         self.losses = {}
         self.summary = None
+        self.state = None
         self.stop_at = stop_at
         self.trainer = None
 
@@ -164,6 +166,9 @@ class LossLog(TrainerCallback):
         engine = getattr(self.trainer, "model_wrapped", None)
         if engine is not None and hasattr(engine, "sdp4bit_summary"):
             self.summary = engine.sdp4bit_summary()
+        st = getattr(engine, "sdp4bit", None)
+        if st is not None:   # which replica the engine keeps, and whether its refresh was left in flight
+            self.state = {"replica": st.level, "overlap": st.overlap}
         if self.stop_at and state.global_step >= self.stop_at:
             control.should_save = True
             control.should_training_stop = True
@@ -246,7 +251,7 @@ def main(argv=None) -> dict:
     log.trainer = trainer
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     out = {"corpus": desc, "world": targs.world_size, "losses": log.losses, "sdp4bit_summary": log.summary,
-           "transformers": transformers.__version__}
+           "sdp4bit_state": log.state, "transformers": transformers.__version__}
     if args.stop_at and args.stop_at < args.max_steps:
         if trainer.is_world_process_zero():
             _write(args.out, out)
@@ -269,8 +274,11 @@ def main(argv=None) -> dict:
         reloaded = AutoModelForCausalLM.from_pretrained(final, dtype=dtype)
         out["reloaded_eval_loss"] = heldout_loss(reloaded.to(device), eval_ds, args.micro_batch, device)
         summary = out["sdp4bit_summary"] or {}
-        sdp = (f"sdp4bit active ({summary.get('compression') or math.nan:.2f}x fewer bytes sent in the last step)"
-               if summary.get("active") else f"sdp4bit off ({summary.get('reason', 'no summary')})")
+        state = out["sdp4bit_state"] or {}
+        kept = (f", replica {state['replica']}{', refresh overlapped' if state.get('overlap') else ''}"
+                if state.get("replica") else "")
+        sdp = (f"sdp4bit active ({summary.get('compression') or math.nan:.2f}x fewer bytes sent in the last "
+               f"step{kept})" if summary.get("active") else f"sdp4bit off ({summary.get('reason', 'no summary')})")
         print(f"[train_hf] {desc}; world {out['world']}; {sdp}; final loss "
               f"{out['losses'].get(max(out['losses']), math.nan):.4f}; held-out loss {out['eval_loss']:.4f} "
               f"(engine) / {out['reloaded_eval_loss']:.4f} (save_model -> from_pretrained)", flush=True)

@@ -1,6 +1,7 @@
 """The benchmark suite runs end to end on CPU (gloo, tiny GPT), so it cannot rot; and the accuracy question's
 ZeRO-3 reference (world size 1 replaying 4 ranks' micro-batches) matches a real 4-rank ZeRO-3 run."""
 
+import argparse
 import json
 import os
 import statistics
@@ -1460,8 +1461,9 @@ def test_overlap_pairs_are_rows_of_one_run_that_differ_in_the_overlap_key_alone(
     reps = []
     for rid, r_on, cyc in (("p1", 80.0, 81.0), ("p2", 90.0, 91.0), ("p3", 85.0, None)):
         cy = {} if cyc is None else {"cycle_ms_per_step": cyc}
+        cy_off = {} if cyc is None else {"cycle_ms_per_step": 101.0}
         reps += [dict(row(rid, "ovl", r_on, step_sync="stream", **ovl), **cy),
-                 dict(row(rid, "inside", 100.0, step_sync="stream"), **({} if cyc is None else {"cycle_ms_per_step": 101.0}))]
+                 dict(row(rid, "inside", 100.0, step_sync="stream"), **cy_off)]
     text = report.overlap_table(reps + [on, off])
     g = (0.8 * 0.9 * 0.85) ** (1 / 3)
     lines = [ln for ln in text.splitlines() if ln.startswith("| 406M | 2x2 | 4 GPUs, nodes |") and "pairs):" in ln]
@@ -1508,3 +1510,81 @@ def test_train_gpt_step_sync_waits_for_every_stream_or_the_current_one(monkeypat
     monkeypatch.setattr(mod, "ON_CPU", True)
     mod._sync("device")
     assert calls == ["device", "stream"]
+
+
+def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
+    """--overlap-blocks: both modes of the overlapped weight refresh timed in one process (train_gpt.py switches
+    engine.sdp4bit.overlap in blocks of steps); e2e summarizes pairs of blocks; the report keeps such rows out of
+    every table but overlap.md's own."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_train_gpt_blocks", suite.TRAIN)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(str(suite.TRAIN.parent))
+    spec.loader.exec_module(mod)
+    assert mod.parse_args(["--ds-config", "c.json", "--overlap-blocks", "5"]).overlap_blocks == 5
+    for bad in (["--overlap-blocks", "1"], ["--overlap-blocks", "-2"],
+                ["--overlap-blocks", "4", "--paired-ds-config", "d.json", "--eval-every", "0", "--eval-batches", "0"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(["--ds-config", "c.json"] + bad)
+    from benchmarks.__main__ import main
+    from benchmarks import e2e
+    ns = argparse.Namespace(overlap_blocks=5, paired=False, timed=20, timed_slow=2, slow=["zero3"], warmup=10,
+                            warmup_slow=None, step_sync="stream")
+    ovl, z3 = suite.Variant.parse("sdp4bit_overlap"), suite.Variant.parse("zero3")
+    assert e2e.overlap_blocks_error(ns, [ovl]) is None   # steps 11..30: blocks 2..5, pairs 1 and 2
+    assert "timed steps 11..12 hold 0 pair(s)" in e2e.overlap_blocks_error(ns, [z3])   # a --slow config: --timed-slow
+    # where the warm-up ends decides the pairs: steps 6..25 hold only pair 1 (blocks 2, 3) whole
+    def ns_with(**kw):
+        return argparse.Namespace(**dict(vars(ns), **kw))
+    assert "timed steps 6..25 hold 1 pair(s)" in e2e.overlap_blocks_error(ns_with(warmup=5), [ovl])
+    assert e2e.block_pairs(range(6, 26), 5) == [1] and e2e.block_pairs(range(4, 24), 5) == [0, 1]
+    assert "--step-sync stream" in e2e.overlap_blocks_error(ns_with(step_sync="device"), [ovl])
+    with pytest.raises(SystemExit, match="hold 1 pair"):
+        main(["e2e", "--configs", "sdp4bit_overlap", "--overlap-blocks", "5", "--timed", "10", "--step-sync", "stream",
+              "--out", "/nonexistent"])
+    with pytest.raises(SystemExit, match="excludes --paired"):
+        main(["e2e", "--configs", "sdp4bit_overlap", "sdp4bit", "--paired", "--overlap-blocks", "2", "--timed", "10",
+              "--out", "/nonexistent"])
+    # an engine that does not overlap (a CPU has no side stream) is refused by name, before training
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(suite.TRAIN), "--ds-config", "configs/sdp4bit_overlap.json", "--d-model", "32",
+                           "--layers", "1", "--heads", "2", "--seq", "16", "--micro-batch", "1", "--steps", "3",
+                           "--random-tokens", "--eval-every", "0", "--eval-batches", "0", "--no-progress",
+                           "--overlap-blocks", "2", "--ds-set", "sdp4bit.topology.gpus_per_node=1",
+                           "--ds-set", "zero_optimization.stage3_param_persistence_threshold=0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
+    assert proc.returncode != 0 and "this engine does not overlap its weight refresh" in proc.stdout + proc.stderr
+
+    # the statistics: blocks of 3 (on off off on on off off on), a block's first step left out (slower in the on
+    # blocks here, so that counting it would move the ratio)
+    def rec(step, ms):
+        block = (step - 1) // 3
+        on = block % 4 in (0, 3)
+        first = (step - 1) % 3 == 0
+        t = (3000.0 if on else 1000.0) if first else ms * (0.9 if on else 1.0)
+        return {"step": step, "ms": t, "cycle_ms": t + 5, "overlap": on, "block_first": first}
+    timed = [rec(s, 100.0 + (s % 3)) for s in range(4, 25)]   # blocks 1..7 timed (block 0 in the warm-up)
+    st = e2e.overlap_ab_stats(timed, 3)
+    # pairs of blocks (2, 3), (4, 5), (6, 7): block 1's partner (0) is not timed
+    assert st["n"] == 3 and st["ratio"] == pytest.approx(0.9) and st["log_ratio_se"] == pytest.approx(0, abs=1e-12)
+    assert st["on_ms"] < st["off_ms"] < 1000 and st["cycle_n"] == 3 and 0.9 < st["cycle_ratio"] < 1
+    # a step without cycle_ms (a resumed run's first) leaves its pair out of the end-to-end numbers only
+    st2 = e2e.overlap_ab_stats([dict(r, cycle_ms=None) if r["step"] == 8 else r for r in timed], 3)
+    assert st2["n"] == 3 and st2["cycle_n"] == 2
+    with pytest.raises(ValueError, match="not one of each mode"):
+        e2e.overlap_ab_stats([dict(r, overlap=True) if r["step"] == 9 else r for r in timed], 3)
+    assert e2e.overlap_ab_stats(timed[:9], 3) is None   # one pair of blocks gives no standard error
+    # the report: the row's median mixes both modes, so it stays out of every other table
+    row = {"row_id": "r/ab", "run_id": "r", "status": "ok", "model": "406M", "topology": "2x1", "mode": "2 GPUs, nodes",
+           "replica": "full", "link_gbps": None, "ms_per_step": 95.0, "ms_min": 90.0, "ms_max": 101.0,
+           "machine": "G", "commit": "c", "created": "1", "step_sync": "stream",
+           "config_snapshot": {"sdp4bit.enabled": True, "sdp4bit.weights.overlap": True},
+           "overlap_ab": dict(st, log_ratio_se=0.01)}
+    assert report._ok([row]) == [] and report._ok([dict(row, overlap_ab=None)]) == []
+    table = report.overlap_table([row])
+    assert table is not None and "In one process" in table and "| 3 | 0.900 (" in table
+    assert "3 pairs of blocks" in table and "overlap faster" in table and table.startswith("Generated by")
+    # a run with too few pairs is listed as such, not dropped
+    assert "fewer than 2 pairs of blocks timed" in report.overlap_table([dict(row, overlap_ab=None)])
+    assert projection.points([row], [], projection.family(row))[0] == []

@@ -82,6 +82,9 @@ def test_sdp4bit_is_active_through_the_trainer(runs):
     for part in ("gradients", "weights"):
         assert 0 < s[part]["bytes_by_level"]["inter"] < s[part]["baseline_bytes"], s
     assert runs["zero3"]["sdp4bit_summary"] is None
+    # the replica the engine kept (full where it fits), its refresh inside step() on a CPU (no side stream)
+    assert runs["sdp4bit"]["sdp4bit_state"] == {"replica": "full", "overlap": False}
+    assert runs["zero3"]["sdp4bit_state"] is None
 
 
 def test_loss_close_to_zero3(runs):

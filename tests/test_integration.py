@@ -629,8 +629,27 @@ def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
         e.sdp4bit.wait()
         r["replicas"] = _cpu(_replica_report(e))
         r["summary"] = e.sdp4bit_summary()
+        # engine.sdp4bit.overlap: switchable only where the refresh was built to overlap
+        r["overlap_prop"], r["switch_error"] = e.sdp4bit.overlap, None
+        try:
+            e.sdp4bit.overlap = overlap
+        except ValueError as exc:
+            r["switch_error"] = str(exc)
         res[f"overlap={overlap}"] = r
         del e
+        if overlap and r["streamed"]:
+            # switched on and off step by step (on off off on, the order of train_gpt.py --overlap-blocks, in blocks
+            # of one step): the same math either way, so the same losses and replicas as the runs that never switch
+            e = du.make_engine(du.base_config(sdp4bit=block(kernel_backend, replica="full",
+                                                            weights={**PIECES, "overlap": True})))
+            losses = []
+            for step in range(steps - 1):
+                e.sdp4bit.overlap = step % 4 in (0, 3)
+                losses += du.train_steps(e, 1, rank, start_step=step)
+            e.sdp4bit.wait()
+            res["overlap=switched"] = {"losses": losses, "replicas": _cpu(_replica_report(e)),
+                                       "last": e.sdp4bit.overlap}
+            del e
     if kernel_backend == "torch":
         # the node replica in pieces and in one: the exchange buffers hold one run, not the whole sub-group
         # (one sub-group per parameter group, as DeepSpeed's default sub_group_size gives a GPT)
@@ -668,6 +687,30 @@ def test_full_replica_in_pieces():
     assert r["summary"]["weights"]["compression"] > 1.8
     if not r["streamed"]:   # CPU: no side stream, the refresh completes inside step()
         assert r["hooks"] == 0 and r["waited_after_step"] == r["n_stages"] - 1
+        # nothing to switch: engine.sdp4bit.overlap reads False and refuses to be set
+        assert r["overlap_prop"] is False and "can only be switched where weights.overlap" in r["switch_error"]
+
+
+def test_overlap_switch_refuses_what_is_not_a_bool_or_not_built_to_overlap():
+    from types import SimpleNamespace
+
+    from deepspeed_sdp4bit.integration import SDP4BitState
+
+    with pytest.raises(TypeError, match="must be True or False, got 1"):
+        SDP4BitState.overlap.fset(SimpleNamespace(replica=None), 1)
+    with pytest.raises(ValueError, match="weights.overlap is on and active"):
+        SDP4BitState.overlap.fset(SimpleNamespace(replica=None), True)
+    assert SDP4BitState.overlap.fget(SimpleNamespace(replica=None)) is False
+    with pytest.raises(ValueError, match="weights.overlap is on and active"):   # built without a side stream
+        SDP4BitState.overlap.fset(SimpleNamespace(replica=SimpleNamespace(_stream=None, overlapping=False)), False)
+    # built with one: switching off first makes the current stream wait for a refresh in flight
+    waits = []
+    rep = SimpleNamespace(_stream=object(), overlapping=True, wait=lambda: waits.append(1))
+    st = SimpleNamespace(replica=rep)
+    SDP4BitState.overlap.fset(st, False)
+    assert waits == [1] and rep.overlapping is False and SDP4BitState.overlap.fget(st) is False
+    SDP4BitState.overlap.fset(st, True)
+    assert waits == [1] and SDP4BitState.overlap.fget(st) is True
 
 
 def test_node_replica_in_pieces():
@@ -710,11 +753,15 @@ def test_overlap_on_cuda_matches_the_refresh_inside_step():
     # step() returned with no stage waited for (our bookkeeping; that nothing synchronized the device is the
     # device_syncs check below)
     assert on["waited_after_step"] == -1 and off["waited_after_step"] == off["n_stages"] - 1
-    # same math on another stream: bit-identical losses and replicas
-    assert on["losses"] == off["losses"]
+    # same math on another stream: bit-identical losses and replicas; also switched on and off step by step
+    assert on["overlap_prop"] is True and on["switch_error"] is None
+    assert off["overlap_prop"] is False and "can only be switched" in off["switch_error"]
+    assert on["losses"] == off["losses"] == runs[0]["overlap=switched"]["losses"]
+    assert runs[0]["overlap=switched"]["last"] is (((STEPS - 2) % 4) in (0, 3))
     for x in runs:
-        a, b = (x[k]["replicas"]["params"] for k in ("overlap=True", "overlap=False"))
-        assert [torch.equal(d["replica"], e["replica"]) for d, e in zip(a.values(), b.values())] == [True] * len(a)
+        for k in ("overlap=True", "overlap=switched"):
+            a, b = (x[kk]["replicas"]["params"] for kk in (k, "overlap=False"))
+            assert [torch.equal(d["replica"], e["replica"]) for d, e in zip(a.values(), b.values())] == [True] * len(a)
     _check_full_replicas([x["overlap=True"] for x in runs], "replicas")
     _close(on["losses"], runs[0]["plain"][:STEPS - 1], 3e-2)
 
