@@ -600,7 +600,10 @@ def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: i
     out.update(_counted(timed))
     blocks = (meta.get("args") or {}).get("overlap_blocks")
     if blocks:
-        out["overlap_ab"] = overlap_ab_stats(timed, blocks)
+        try:
+            out["overlap_ab"] = overlap_ab_stats(timed, blocks)
+        except ValueError as e:   # (recorded, not raised: the call's other runs still count)
+            out.update(overlap_ab=None, overlap_ab_error=str(e))
     cycle = [r.get("cycle_ms") for r in timed]
     if all(c is not None for c in cycle):   # (train_gpt.py records it from d5eaee5 on; not for paired engines)
         # from one step's end to the next: the loop's untimed work between steps included
@@ -619,6 +622,10 @@ def overlap_blocks_error(args: argparse.Namespace, variants: List[suite.Variant]
         return ("--overlap-blocks needs --step-sync stream (waiting for every stream holds each overlapped refresh "
                 "inside the step that queued it: both modes would time the same)")
     for v in variants:   # each config's own warm-up and timed steps (the --slow configs': --*-slow)
+        cfg = suite.apply_ds_set(v.load(), suite.ds_sets_of(args.train_arg))
+        if ((cfg.get("sdp4bit") or {}).get("weights") or {}).get("overlap") is not True:
+            return (f"--overlap-blocks switches weights.overlap, which {v.label} does not turn on (e.g. "
+                    f"sdp4bit_overlap)")
         slow = v.config in args.slow
         warm = (args.warmup_slow if args.warmup_slow is not None else args.warmup) if slow else args.warmup
         n = args.timed_slow if slow else args.timed

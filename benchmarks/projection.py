@@ -552,7 +552,8 @@ def default_split(fam: str, rows: Sequence[dict] = (), counts: Sequence[dict] = 
     if fam == SHARE:
         return "alternate"
     topos = {r.get("topology") for r in rows if family(r) == fam and r.get("link_gbps") is not None
-             and r.get("status") == "ok" and r.get("ms_per_step") and link_bytes(r, counts, rows)[0] is not None}
+             and r.get("status") == "ok" and r.get("ms_per_step") and not r.get("paired_with")
+             and "overlap_ab" not in r and link_bytes(r, counts, rows)[0] is not None}
     return "topology:4x1" if {"2x2", "4x1"} <= topos else "alternate"
 
 

@@ -1529,10 +1529,15 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
     from benchmarks.__main__ import main
     from benchmarks import e2e
     ns = argparse.Namespace(overlap_blocks=5, paired=False, timed=20, timed_slow=2, slow=["zero3"], warmup=10,
-                            warmup_slow=None, step_sync="stream")
+                            warmup_slow=None, step_sync="stream", train_arg=[])
     ovl, z3 = suite.Variant.parse("sdp4bit_overlap"), suite.Variant.parse("zero3")
     assert e2e.overlap_blocks_error(ns, [ovl]) is None   # steps 11..30: blocks 2..5, pairs 1 and 2
-    assert "timed steps 11..12 hold 0 pair(s)" in e2e.overlap_blocks_error(ns, [z3])   # a --slow config: --timed-slow
+    # a config that does not overlap (or that a --ds-set turns off) is refused before anything runs
+    assert "sdp4bit does not turn on" in e2e.overlap_blocks_error(ns, [suite.Variant.parse("sdp4bit")])
+    off = ["--ds-set", "sdp4bit.weights.overlap=false"]
+    assert "does not turn on" in e2e.overlap_blocks_error(argparse.Namespace(**dict(vars(ns), train_arg=off)), [ovl])
+    z3_only = argparse.Namespace(**dict(vars(ns), slow=["sdp4bit_overlap"]))   # a --slow config: --timed-slow
+    assert "timed steps 11..12 hold 0 pair(s)" in e2e.overlap_blocks_error(z3_only, [ovl])
     # where the warm-up ends decides the pairs: steps 6..25 hold only pair 1 (blocks 2, 3) whole
     def ns_with(**kw):
         return argparse.Namespace(**dict(vars(ns), **kw))
@@ -1564,11 +1569,14 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
         first = (step - 1) % 3 == 0
         t = (3000.0 if on else 1000.0) if first else ms * (0.9 if on else 1.0)
         return {"step": step, "ms": t, "cycle_ms": t + 5, "overlap": on, "block_first": first}
-    timed = [rec(s, 100.0 + (s % 3)) for s in range(4, 25)]   # blocks 1..7 timed (block 0 in the warm-up)
+    # blocks 1..7 timed (block 0 in the warm-up); block 1, without its pair, is slow: it must count nowhere
+    timed = [rec(s, 100.0 + (s % 3) + (500.0 if s < 7 else 0.0)) for s in range(4, 25)]
     st = e2e.overlap_ab_stats(timed, 3)
     # pairs of blocks (2, 3), (4, 5), (6, 7): block 1's partner (0) is not timed
     assert st["n"] == 3 and st["ratio"] == pytest.approx(0.9) and st["log_ratio_se"] == pytest.approx(0, abs=1e-12)
-    assert st["on_ms"] < st["off_ms"] < 1000 and st["cycle_n"] == 3 and 0.9 < st["cycle_ratio"] < 1
+    # the medians of the paired blocks' steps only (with block 1's, off_ms would be 102)
+    assert st["on_ms"] == pytest.approx(90.9) and st["off_ms"] == pytest.approx(101.0)
+    assert st["cycle_n"] == 3 and 0.9 < st["cycle_ratio"] < 1
     # a step without cycle_ms (a resumed run's first) leaves its pair out of the end-to-end numbers only
     st2 = e2e.overlap_ab_stats([dict(r, cycle_ms=None) if r["step"] == 8 else r for r in timed], 3)
     assert st2["n"] == 3 and st2["cycle_n"] == 2

@@ -642,13 +642,34 @@ def _pieces_worker(rank, world, steps, overlaps, kernel_backend="torch"):
             # of one step): the same math either way, so the same losses and replicas as the runs that never switch
             e = du.make_engine(du.base_config(sdp4bit=block(kernel_backend, replica="full",
                                                             weights={**PIECES, "overlap": True})))
-            losses = []
-            for step in range(steps - 1):
+            rep, losses, waited = e.sdp4bit.replica, [], []
+            for step in range(steps):   # as many steps as the runs above (their last one by hand)
                 e.sdp4bit.overlap = step % 4 in (0, 3)
                 losses += du.train_steps(e, 1, rank, start_step=step)
+                waited.append(rep._waited)   # -1: nothing waited for yet; n_stages - 1: all of it
             e.sdp4bit.wait()
-            res["overlap=switched"] = {"losses": losses, "replicas": _cpu(_replica_report(e)),
-                                       "last": e.sdp4bit.overlap}
+            sw = {"losses": losses, "waited": waited, "replicas": _cpu(_replica_report(e)),
+                  "last": e.sdp4bit.overlap, "n_stages": rep.n_stages}
+            # Does the current stream wait for the side stream when off, and only then?  A refresh made to outlast
+            # its step (a sleep queued before its first run, on the stream it runs on): after a step on, the side
+            # stream is still busy once the current stream is done; after a step off, it is done too.
+            orig, calls = rep.weights.refresh, []
+
+            def slow(*a, **k):
+                if not calls:
+                    torch.cuda._sleep(1_000_000_000)
+                calls.append(1)
+                return orig(*a, **k)
+            rep.weights.refresh = slow
+            sw["side_idle_after"] = {}
+            for on in (True, False):
+                calls.clear()
+                e.sdp4bit.overlap = on
+                du.train_steps(e, 1, rank, start_step=steps + int(not on))
+                torch.cuda.current_stream().synchronize()
+                sw["side_idle_after"][on] = rep._stream.query()
+            rep.weights.refresh = orig
+            res["overlap=switched"] = sw
             del e
     if kernel_backend == "torch":
         # the node replica in pieces and in one: the exchange buffers hold one run, not the whole sub-group
@@ -756,8 +777,12 @@ def test_overlap_on_cuda_matches_the_refresh_inside_step():
     # same math on another stream: bit-identical losses and replicas; also switched on and off step by step
     assert on["overlap_prop"] is True and on["switch_error"] is None
     assert off["overlap_prop"] is False and "can only be switched" in off["switch_error"]
-    assert on["losses"] == off["losses"] == runs[0]["overlap=switched"]["losses"]
-    assert runs[0]["overlap=switched"]["last"] is (((STEPS - 2) % 4) in (0, 3))
+    sw = runs[0]["overlap=switched"]
+    assert on["losses"] == off["losses"] == sw["losses"][:STEPS - 1]
+    assert sw["last"] is (((STEPS - 1) % 4) in (0, 3))
+    # after a step on, nothing waited for yet (the forward will, stage by stage); after a step off, everything
+    assert sw["waited"] == [-1 if s % 4 in (0, 3) else sw["n_stages"] - 1 for s in range(STEPS)]
+    assert sw["side_idle_after"] == {True: False, False: True}
     for x in runs:
         for k in ("overlap=True", "overlap=switched"):
             a, b = (x[kk]["replicas"]["params"] for kk in (k, "overlap=False"))
