@@ -672,8 +672,7 @@ def overlap_ab_stats(timed: List[dict], blocks: int) -> Optional[dict]:
             off_steps += [r[key] for r in off]
         if len(logs) < 2:
             return None if key == "ms" else out
-        m = sum(logs) / len(logs)
-        se = math.sqrt(sum((x - m) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
+        m, se = suite.mean_se(logs)
         out.update({f"{name}n": len(logs), f"{name}ratio": math.exp(m), f"{name}log_ratio_mean": m,
                     f"{name}log_ratio_se": se, f"on_{name}ms": suite.median(on_steps),
                     f"off_{name}ms": suite.median(off_steps)})

@@ -257,8 +257,7 @@ def points(rows: Sequence[dict], link_rows: Sequence[dict], fam: str = SHARE,
     NVLink runs as points with nothing on the link (:func:`nvlink_point`: ``X = 0``, rate ``inf``)."""
     out, skipped = [], []
     for r in rows:
-        if r.get("status") != "ok" or not r.get("ms_per_step") or (r.get("ranks") or 1) < 2 or r.get("reused_from") \
-                or r.get("paired_with") or "overlap_ab" in r:
+        if not suite.timed_alone(r) or (r.get("ranks") or 1) < 2 or r.get("reused_from"):
             continue  # a reused row (ZeRO-3 / ZeRO++ standing for another topology) is its source's point again; a
             # paired one (e2e --paired) shared its process with another engine; one of e2e --overlap-blocks mixed
             # two modes in its steps
@@ -552,8 +551,7 @@ def default_split(fam: str, rows: Sequence[dict] = (), counts: Sequence[dict] = 
     if fam == SHARE:
         return "alternate"
     topos = {r.get("topology") for r in rows if family(r) == fam and r.get("link_gbps") is not None
-             and r.get("status") == "ok" and r.get("ms_per_step") and not r.get("paired_with")
-             and "overlap_ab" not in r and link_bytes(r, counts, rows)[0] is not None}
+             and suite.timed_alone(r) and link_bytes(r, counts, rows)[0] is not None}
     return "topology:4x1" if {"2x2", "4x1"} <= topos else "alternate"
 
 

@@ -67,9 +67,8 @@ def _ok(rows: Sequence[dict], paired: bool = False) -> List[dict]:
     """The finished timed rows; a paired row (``e2e --paired``: two engines in one process, a step slower than a
     process of its own) only with ``paired`` (the same-code goals and their baselines), never in tables or bounds;
     never a row whose steps switched the overlap on and off (``overlap_ab``: its median mixes two modes; it has a
-    table of its own in overlap.md)."""
-    return [r for r in rows if r.get("status") == "ok" and r.get("ms_per_step") and "overlap_ab" not in r
-            and (paired or not r.get("paired_with"))]
+    table of its own in overlap.md): :func:`suite.timed_alone`."""
+    return [r for r in rows if suite.timed_alone(r, paired)]
 
 
 def _key(r: dict) -> Tuple[str, str, str]:
@@ -1058,15 +1057,20 @@ def overlap_table(rows: Sequence[dict]) -> Optional[str]:
             + ("\n" + ab if ab else ""))
 
 
+def _overlap_interval(m: float, se: float, n: int) -> Tuple[float, float, float, str]:
+    """exp of a mean log ratio (overlapped / inside) over ``n`` >= 2 pairs with its Student's t interval (95%), and
+    the verdict: ``overlap faster`` (the interval below 1), ``overlap slower`` (above 1) or ``not resolved``."""
+    lo, hi = math.exp(m - t_factor(n) * se), math.exp(m + t_factor(n) * se)
+    return math.exp(m), lo, hi, "overlap faster" if hi < 1 else "overlap slower" if lo > 1 else "not resolved"
+
+
 def _ab_cell(st: dict, name: str) -> str:
     """One ratio of :func:`e2e.overlap_ab_stats` with its Student's t interval over the pairs of blocks."""
     n = st.get(f"{name}n")
     if not n:
         return "not recorded"
-    m, se = st[f"{name}log_ratio_mean"], st[f"{name}log_ratio_se"]
-    lo, hi = math.exp(m - t_factor(n) * se), math.exp(m + t_factor(n) * se)
-    verdict = "overlap faster" if hi < 1 else "overlap slower" if lo > 1 else "not resolved"
-    return (f"{math.exp(m):.3f} ({lo:.3f} .. {hi:.3f}, {n} pairs of blocks; "
+    g, lo, hi, verdict = _overlap_interval(st[f"{name}log_ratio_mean"], st[f"{name}log_ratio_se"], n)
+    return (f"{g:.3f} ({lo:.3f} .. {hi:.3f}, {n} pairs of blocks; "
             f"{st[f'on_{name}ms']:.0f} / {st[f'off_{name}ms']:.0f} ms): {verdict}")
 
 
@@ -1097,12 +1101,8 @@ def overlap_ab_table(rows: Sequence[dict]) -> Optional[str]:
 def _pool_ratios(ratios: Sequence[float]) -> Tuple[float, float, float, str]:
     """Geometric mean of ``ratios`` (>= 2) with its Student's t interval over the log ratios, and the verdict:
     ``faster`` (the interval below 1), ``slower`` (above 1) or ``not resolved``."""
-    logs = [math.log(x) for x in ratios]
-    m = sum(logs) / len(logs)
-    se = math.sqrt(sum((x - m) ** 2 for x in logs) / (len(logs) - 1) / len(logs))
-    lo, hi = math.exp(m - t_factor(len(logs)) * se), math.exp(m + t_factor(len(logs)) * se)
-    verdict = "overlap faster" if hi < 1 else "overlap slower" if lo > 1 else "not resolved"
-    return math.exp(m), lo, hi, verdict
+    m, se = suite.mean_se([math.log(x) for x in ratios])
+    return _overlap_interval(m, se, len(ratios))
 
 
 def overlap_pooled(pairs: Sequence[Tuple[dict, dict]]) -> Optional[str]:

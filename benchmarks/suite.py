@@ -533,6 +533,14 @@ def closeness_in_time(row: dict):
     return key
 
 
+def timed_alone(r: dict, paired: bool = False) -> bool:
+    """A finished row whose step time is one config's alone: ok with ``ms_per_step``, never an ``e2e
+    --overlap-blocks`` row (``overlap_ab``: its steps switched between two modes), and a paired one (``e2e --paired``:
+    two engines in one process) only with ``paired``."""
+    return (r.get("status") == "ok" and bool(r.get("ms_per_step")) and "overlap_ab" not in r
+            and (paired or not r.get("paired_with")))
+
+
 def median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     n = len(s)
