@@ -17,7 +17,8 @@
 #         step left out; pairs of adjacent blocks compared), so the spread between processes that kept ovlf's
 #         unshaped pairs unresolved (0.72-1.37) drops out: on GPUs 0+1 the 406M and the 1.3B as 2x1 at each knob
 #         setting of RATES (default "off 5"), then, where a 4-GPU host is lent, 2x2 and 4x1 the same way; 60 timed
-#         steps after 10 untimed (the timed steps start at a pair: 6 pairs of blocks) per run
+#         steps after 10 untimed (the timed steps start at a pair: 6 pairs of blocks) per run; MODELS and TOPS (since
+#         the twenty-second session) pick the models and topologies (TOPS="4x1 2x2" needs a host of 4 GPUs)
 # usage: bash THIS COMMIT BUDGET_S ovlf|hfo|ovlab
 # Everything comes back as $OUT/results.tgz (the device returns at most 8 files).
 commit=$1; budget=$2
@@ -39,9 +40,10 @@ ovlf)
     grep "\[e2e\]" $OUT/ovlf$i.log; order=(${order[1]} ${order[0]}); done ;;
 ovlab)
   G=$(nvidia-smi -L | wc -l); i=0
-  for r in ${RATES:-off 5}; do for m in 406M 1.3B; do for t in 2x1 $([ $G -ge 4 ] && echo 4x1 2x2); do i=$((i + 1))
+  for r in ${RATES:-off 5}; do for m in ${MODELS:-406M 1.3B}; do for t in ${TOPS:-2x1 $([ $G -ge 4 ] && echo 4x1 2x2)}; do i=$((i + 1))
     [ $(left 0) -ge 150 ] || { echo "run $i ($m $t $r) not started: $(left 0) s left"; break 3; }
     ng=2; [ $t = 2x1 ] || ng=4
+    [ $G -ge $ng ] || { echo "run $i ($m $t $r) skipped: $t needs $ng GPUs, the host has $G"; continue; }
     CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((ng - 1))) python3 -m benchmarks e2e --transport nodes --models $m \
       --topologies $t --configs sdp4bit_overlap --overlap-blocks 5 --link-gbps $r --nccl-sockets 4x4 --probe-link \
       --warmup 10 --timed 60 --timeout 200 --step-sync stream --out $OUT/ovlab$i --deadline $(left 0) \
