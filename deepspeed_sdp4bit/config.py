@@ -89,9 +89,9 @@ class WeightsConfig(_Strict):
     # run on a side stream and a module's forward waits only for the pieces holding the parameters below it
     # (as FSDP2 prefetches), so the next forward starts before the whole exchange has arrived; without it the
     # refresh completes inside ``step()``.  Off by default: with one rank per GPU, both modes timed in one process
-    # in a loop that waits for its loss after step(), it ran faster at 5 Gb/s per rank (2x1, 4x1, 2x2) and was
-    # slower nowhere, but at about 14 Gb/s most cells are not resolved, which fails the rule set before those
-    # runs (benchmarks/results/findings.md, "overlap").  The node replica is always refreshed inside ``step()``
+    # in a loop that waits for its loss after step(), it ran faster at 5 Gb/s per rank (406M 2x1, 4x1, 2x2; 1.3B
+    # 2x1) and was resolved as slower nowhere, but at about 14 Gb/s three cells have an upper 95% bound above
+    # 1.01, which fails the rule set before those runs (benchmarks/results/findings.md, "overlap").  The node replica is always refreshed inside ``step()``
     # (DeepSpeed's own gathers read it, prefetching ahead of the forward).
     pieces: int = Field(16, ge=1, le=256,
                         description=("the weight refresh after each step runs in this many pieces cut at module "
@@ -100,8 +100,8 @@ class WeightsConfig(_Strict):
                           description=("`full` replica: the pieces on a side stream, each module's forward waiting "
                                        "only for its own; sets DeepSpeed's timers.throughput.synchronized to false "
                                        "where omitted, refuses true (off by default: faster where the link between "
-                                       "nodes is slow, not resolved at about 14 Gb/s per rank; see the README's "
-                                       "support table)"))
+                                       "nodes is slow, not resolved in 4 of 6 cells at about 14 Gb/s per rank; "
+                                       "see the README's support table)"))
 
     @field_validator("group_size")
     @classmethod
