@@ -1098,6 +1098,34 @@ def overlap_ab_table(rows: Sequence[dict]) -> Optional[str]:
             "\n\n" + "\n".join(lines) + "\n")
 
 
+def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
+    """The rule for ``weights.overlap``'s default, set before the runs that judge it (findings.md, "overlap"): on
+    where it applies (the full replica on a GPU) only if every run of ``e2e --overlap-blocks`` timed on the current
+    stream has an end-to-end (``cycle_``) upper 95% bound of at most :data:`OVERLAP_RULE_BOUND` (so none is
+    "overlap slower").  Each run is judged alone, its cell (model, topology, knob, host, machine) named with it.
+    Verdict: ``met``, ``not met`` (a run fails), ``not resolved`` (none fails, a run has no end-to-end interval)."""
+    runs = sorted((r for r in tp_rows if r.get("status") == "ok" and "overlap_ab" in r and step_sync(r) == "stream"),
+                  key=lambda r: (r["model"], r["topology"], r.get("link_gbps") or 1e9, str(r.get("mode")),
+                                 r.get("created", "")))
+    if not runs:
+        return NM, NM
+    parts, fails, missing = [], 0, 0
+    for r in runs:
+        st = r["overlap_ab"] or {}
+        name = f"{r['model']} {r['topology']} knob {_knob(r)} ({r.get('mode')}, {r.get('machine')}, {r.get('commit')})"
+        if not st.get("cycle_n"):
+            missing += 1
+            parts.append(f"{name}: no end-to-end interval")
+            continue
+        g, lo, hi, _ = _overlap_interval(st["cycle_log_ratio_mean"], st["cycle_log_ratio_se"], st["cycle_n"])
+        fail = hi > OVERLAP_RULE_BOUND
+        fails += fail
+        parts.append(f"{name}: {g:.3f} ({lo:.3f} .. {hi:.3f}, {st['cycle_n']} pairs of blocks)"
+                     + (f": fails (upper bound above {OVERLAP_RULE_BOUND})" if fail else ""))
+    head = f"{len(runs)} run(s), {fails} failing"
+    return head + "<br>" + "<br>".join(parts), "not met" if fails else "not resolved" if missing else "met"
+
+
 def _pool_ratios(ratios: Sequence[float]) -> Tuple[float, float, float, str]:
     """Geometric mean of ``ratios`` (>= 2) with its Student's t interval over the log ratios, and the verdict:
     ``faster`` (the interval below 1), ``slower`` (above 1) or ``not resolved``."""
@@ -1224,6 +1252,7 @@ GOAL_SPEEDUP = 6.0          # issue 20: the default >= 6x ZeRO-3 (and ZeRO++) wi
 GOAL_BOUND = {"2x2": 0.45, "4x1": 0.60}   # issue 20: share of the no-communication bound
 GOAL_WORLD1 = 1.01          # issue 20: world size 1, default step / ZeRO-3 step
 GOAL_GAP = 0.3              # issue 21: mean train-loss gap to ZeRO-3, %
+OVERLAP_RULE_BOUND = 1.01   # issue 20: weights.overlap on by default only below this (findings.md, "overlap")
 
 
 def _same_run(r: dict, rows: Sequence[dict], config: str) -> Optional[dict]:
@@ -1697,6 +1726,11 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
     for replica, goal in (("full", "<= 2 B/param"), ("node", "<= 2/gpus_per_node B/param")):
         m, v = _memory_goal(tp_rows, replica, today)
         rows.append(("20", f"peak memory per rank above ZeRO-3 (same run), replica {replica}: {goal}", m, v))
+    m, v = _overlap_default_goal(tp_rows)
+    rows.append(("20", "`weights.overlap` on by default where it applies, by the rule set before the runs that judge "
+                 "it: in every run of both modes in one process (`e2e --overlap-blocks`, `--step-sync stream`), "
+                 f"end-to-end overlapped / inside step(), upper 95% bound <= {OVERLAP_RULE_BOUND} (knob: Gb/s per rank; met: "
+                 "it becomes the default; not met: it stays opt-in)", m, v))
     m, v = _accuracy_goal(acc_rows)
     rows.append(("21", f"default's train loss (last 50 steps) within +{GOAL_GAP}% of ZeRO-3, seed-paired", m, v))
     m, v = _ablation_goal(acc_rows)

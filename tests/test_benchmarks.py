@@ -1596,3 +1596,15 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
     # a run with too few pairs is listed as such, not dropped
     assert "fewer than 2 pairs of blocks timed" in report.overlap_table([dict(row, overlap_ab=None)])
     assert projection.points([row], [], projection.family(row))[0] == []
+    # the rule for the overlap's default (findings.md): every such run's end-to-end upper 95% bound <= 1.01
+    assert report._overlap_default_goal([]) == (report.NM, report.NM)
+    m, v = report._overlap_default_goal([row])   # ratio ~0.9 with an SE of 0: its upper bound below 1.01
+    assert v == "met" and m.startswith("1 run(s), 0 failing") and "fails" not in m
+    close = dict(row, row_id="r/ab2", topology="2x2",
+                 overlap_ab=dict(st, cycle_log_ratio_mean=0.0, cycle_log_ratio_se=0.01))   # 1.0, upper ~1.03
+    m, v = report._overlap_default_goal([row, close])
+    assert v == "not met" and "2 run(s), 1 failing" in m and "406M 2x2 knob off" in m and "fails (upper bound" in m
+    no_cycle = dict(row, row_id="r/ab3", overlap_ab=dict(st, cycle_n=0))
+    assert report._overlap_default_goal([row, no_cycle])[1] == "not resolved"
+    assert report._overlap_default_goal([dict(row, step_sync="device")]) == (report.NM, report.NM)
+    assert "`weights.overlap` on by default" in report.goals_table([row, close], [], None)
