@@ -1074,16 +1074,23 @@ def _ab_cell(st: dict, name: str) -> str:
             f"{st[f'on_{name}ms']:.0f} / {st[f'off_{name}ms']:.0f} ms): {verdict}")
 
 
+def overlap_ab_rows(rows: Sequence[dict]) -> List[dict]:
+    """The finished runs of ``e2e --overlap-blocks`` (rows with ``overlap_ab``), by mode, model, topology, knob,
+    time."""
+    return sorted((r for r in rows if r.get("status") == "ok" and "overlap_ab" in r),
+                  key=lambda r: (str(r.get("mode")), r["model"], r["topology"], r.get("link_gbps") or 1e9,
+                                 r.get("created", "")))
+
+
 def overlap_ab_table(rows: Sequence[dict]) -> Optional[str]:
     """Rows of ``e2e --overlap-blocks`` (train_gpt.py switching ``weights.overlap`` in blocks of steps, one
     process): the overlapped refresh against the refresh inside ``step()``; None without such a row."""
-    ab = [r for r in rows if r.get("status") == "ok" and "overlap_ab" in r]
+    ab = overlap_ab_rows(rows)
     if not ab:
         return None
     lines = _header("model", "topology", "mode", "knob (Gb/s per rank)", "step timing waits for", "blocks of",
                     "timed steps: overlapped / inside", "end to end: overlapped / inside", "machine", "commit")
-    for r in sorted(ab, key=lambda r: (str(r.get("mode")), r["model"], r["topology"], r.get("link_gbps") or 1e9,
-                                       r.get("created", ""))):
+    for r in ab:
         st = r["overlap_ab"]
         cells = ([str(st["blocks"]), _ab_cell(st, ""), _ab_cell(st, "cycle_")] if st else
                  ["-", "fewer than 2 pairs of blocks timed", "-"])
@@ -1098,32 +1105,56 @@ def overlap_ab_table(rows: Sequence[dict]) -> Optional[str]:
             "\n\n" + "\n".join(lines) + "\n")
 
 
+OVERLAP_RULE_CONFIG = "sdp4bit_overlap"   # the rule's runs: configs/sdp4bit_overlap.json, logical nodes of a host
+OVERLAP_RULE_CELLS = tuple((m, t, k) for k in ("off", "5") for m in ("406M", "1.3B") for t in ("2x1", "4x1", "2x2"))
+
+
+def _overlap_rule_cell(r: dict) -> Optional[Tuple[str, str, str]]:
+    """A run's cell of the overlap's default rule (model, topology, knob "off" or the Gb/s per rank), or None where
+    the run is outside the rule (another config, not logical nodes of a multi-GPU host, another cell)."""
+    if (r.get("config") != OVERLAP_RULE_CONFIG or not str(r.get("mode", "")).endswith("nodes")
+            or r.get("link_delay_us")):
+        return None
+    cell = (str(r["model"]), str(r["topology"]), link.label(r.get("link_gbps")))   # "off" where no rate is set
+    return cell if cell in OVERLAP_RULE_CELLS else None
+
+
 def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
     """The rule for ``weights.overlap``'s default, set before the runs that judge it (findings.md, "overlap"): on
-    where it applies (the full replica on a GPU) only if every run of ``e2e --overlap-blocks`` timed on the current
-    stream has an end-to-end (``cycle_``) upper 95% bound of at most :data:`OVERLAP_RULE_BOUND` (so none is
-    "overlap slower").  Each run is judged alone, its cell (model, topology, knob, host, machine) named with it.
-    Verdict: ``met``, ``not met`` (a run fails), ``not resolved`` (none fails, a run has no end-to-end interval)."""
-    runs = sorted((r for r in tp_rows if r.get("status") == "ok" and "overlap_ab" in r and step_sync(r) == "stream"),
-                  key=lambda r: (r["model"], r["topology"], r.get("link_gbps") or 1e9, str(r.get("mode")),
-                                 r.get("created", "")))
-    if not runs:
-        return NM, NM
-    parts, fails, missing = [], 0, 0
-    for r in runs:
-        st = r["overlap_ab"] or {}
-        name = f"{r['model']} {r['topology']} knob {_knob(r)} ({r.get('mode')}, {r.get('machine')}, {r.get('commit')})"
-        if not st.get("cycle_n"):
-            missing += 1
-            parts.append(f"{name}: no end-to-end interval")
+    where it applies (the full replica on a GPU) only if, in every cell of :data:`OVERLAP_RULE_CELLS` (both modes
+    in one process, ``e2e --overlap-blocks`` with :data:`OVERLAP_RULE_CONFIG` on logical nodes, timed on the
+    current stream), the end-to-end (``cycle_``) upper 95% bound is at most :data:`OVERLAP_RULE_BOUND` and none
+    is "overlap slower".  Each run is judged alone (a failing run keeps the verdict "not met" whatever runs are
+    added); a cell without a run with an end-to-end interval leaves it "not resolved" at best."""
+    parts, verdicts, judged, outside = [], [], set(), 0
+    for r in overlap_ab_rows(tp_rows):
+        cell = _overlap_rule_cell(r) if step_sync(r) == "stream" else None
+        if cell is None:
+            outside += 1
             continue
-        g, lo, hi, _ = _overlap_interval(st["cycle_log_ratio_mean"], st["cycle_log_ratio_se"], st["cycle_n"])
-        fail = hi > OVERLAP_RULE_BOUND
-        fails += fail
-        parts.append(f"{name}: {g:.3f} ({lo:.3f} .. {hi:.3f}, {st['cycle_n']} pairs of blocks)"
-                     + (f": fails (upper bound above {OVERLAP_RULE_BOUND})" if fail else ""))
-    head = f"{len(runs)} run(s), {fails} failing"
-    return head + "<br>" + "<br>".join(parts), "not met" if fails else "not resolved" if missing else "met"
+        st = r["overlap_ab"] or {}
+        name = f"{' '.join(cell[:2])} knob {_knob(r)} ({r.get('mode')}, {r.get('machine')}, {r.get('commit')})"
+        if not st.get("cycle_n"):
+            why = r.get("overlap_ab_error") or ("fewer than 2 pairs of blocks timed" if not st else "not recorded")
+            parts.append(f"{name}: no end-to-end interval ({why})")
+            verdicts.append("not resolved")
+            continue
+        _, _, hi, verdict = _overlap_interval(st["cycle_log_ratio_mean"], st["cycle_log_ratio_se"], st["cycle_n"])
+        fail = hi > OVERLAP_RULE_BOUND or verdict == "overlap slower"
+        judged.add(cell)
+        why = "slower" if verdict == "overlap slower" else f"upper bound above {OVERLAP_RULE_BOUND}"
+        parts.append(f"{name}: {_ab_cell(st, 'cycle_')}" + (f"; fails the rule ({why})" if fail else ""))
+        verdicts.append("not met" if fail else "met")
+    if not verdicts:
+        return NM, NM
+    missing = [f"{m} {t} knob {k}" for m, t, k in OVERLAP_RULE_CELLS if (m, t, k) not in judged]
+    if missing:
+        parts.append("not measured: " + ", ".join(missing))
+        verdicts.append("not resolved")
+    head = (f"{len(verdicts) - bool(missing)} run(s), {verdicts.count('not met')} failing"
+            + (f"; {outside} run(s) outside the rule" if outside else ""))
+    m, v = _combined([head] + parts, verdicts)
+    return m, v
 
 
 def _pool_ratios(ratios: Sequence[float]) -> Tuple[float, float, float, str]:
@@ -1252,7 +1283,7 @@ GOAL_SPEEDUP = 6.0          # issue 20: the default >= 6x ZeRO-3 (and ZeRO++) wi
 GOAL_BOUND = {"2x2": 0.45, "4x1": 0.60}   # issue 20: share of the no-communication bound
 GOAL_WORLD1 = 1.01          # issue 20: world size 1, default step / ZeRO-3 step
 GOAL_GAP = 0.3              # issue 21: mean train-loss gap to ZeRO-3, %
-OVERLAP_RULE_BOUND = 1.01   # issue 20: weights.overlap on by default only below this (findings.md, "overlap")
+OVERLAP_RULE_BOUND = 1.01   # issue 20: weights.overlap on by default only at most this (findings.md, "overlap")
 
 
 def _same_run(r: dict, rows: Sequence[dict], config: str) -> Optional[dict]:
@@ -1727,10 +1758,12 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
         m, v = _memory_goal(tp_rows, replica, today)
         rows.append(("20", f"peak memory per rank above ZeRO-3 (same run), replica {replica}: {goal}", m, v))
     m, v = _overlap_default_goal(tp_rows)
-    rows.append(("20", "`weights.overlap` on by default where it applies, by the rule set before the runs that judge "
-                 "it: in every run of both modes in one process (`e2e --overlap-blocks`, `--step-sync stream`), "
-                 f"end-to-end overlapped / inside step(), upper 95% bound <= {OVERLAP_RULE_BOUND} (knob: Gb/s per rank; met: "
-                 "it becomes the default; not met: it stays opt-in)", m, v))
+    rows.append(("20", "`weights.overlap` on by default where it applies (the full replica on a GPU), by the rule "
+                 "set before the runs that judge it: both modes in one process (`e2e --overlap-blocks`, "
+                 "`--step-sync stream`), 406M and 1.3B as 2x1, 4x1 and 2x2 logical nodes, knob off and 5 Gb/s per "
+                 f"rank; in every run the end-to-end overlapped / inside step() upper 95% bound <= {OVERLAP_RULE_BOUND}"
+                 " and none slower (met: the default is to be switched on in config.py; not met: it stays opt-in)",
+                 m, v))
     m, v = _accuracy_goal(acc_rows)
     rows.append(("21", f"default's train loss (last 50 steps) within +{GOAL_GAP}% of ZeRO-3, seed-paired", m, v))
     m, v = _ablation_goal(acc_rows)

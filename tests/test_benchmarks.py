@@ -3,6 +3,7 @@ ZeRO-3 reference (world size 1 replaying 4 ranks' micro-batches) matches a real 
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tarfile
@@ -1596,15 +1597,43 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
     # a run with too few pairs is listed as such, not dropped
     assert "fewer than 2 pairs of blocks timed" in report.overlap_table([dict(row, overlap_ab=None)])
     assert projection.points([row], [], projection.family(row))[0] == []
-    # the rule for the overlap's default (findings.md): every such run's end-to-end upper 95% bound <= 1.01
-    assert report._overlap_default_goal([]) == (report.NM, report.NM)
-    m, v = report._overlap_default_goal([row])   # ratio ~0.9 with an SE of 0: its upper bound below 1.01
-    assert v == "met" and m.startswith("1 run(s), 0 failing") and "fails" not in m
-    close = dict(row, row_id="r/ab2", topology="2x2",
-                 overlap_ab=dict(st, cycle_log_ratio_mean=0.0, cycle_log_ratio_se=0.01))   # 1.0, upper ~1.03
-    m, v = report._overlap_default_goal([row, close])
-    assert v == "not met" and "2 run(s), 1 failing" in m and "406M 2x2 knob off" in m and "fails (upper bound" in m
-    no_cycle = dict(row, row_id="r/ab3", overlap_ab=dict(st, cycle_n=0))
-    assert report._overlap_default_goal([row, no_cycle])[1] == "not resolved"
-    assert report._overlap_default_goal([dict(row, step_sync="device")]) == (report.NM, report.NM)
-    assert "`weights.overlap` on by default" in report.goals_table([row, close], [], None)
+    # the rule for the overlap's default (findings.md): in every cell of the rule, every run's end-to-end upper 95%
+    # bound <= 1.01 and none slower; each run judged alone; cells without a run leave it unresolved at best
+    goal = report._overlap_default_goal
+    assert goal([]) == (report.NM, report.NM)
+    rule = dict(row, config="sdp4bit_overlap")
+    t3 = report.t_factor(3)
+
+    def ab(mean, se, n=3, **timed):   # a run's end-to-end statistics (its timed ones stay the row's)
+        return dict(rule, overlap_ab=dict(st, cycle_log_ratio_mean=mean, cycle_log_ratio_se=se, cycle_n=n, **timed))
+
+    def cells(r=None):   # one run in every cell of the rule (r's statistics, else the test's ~0.9 with an SE of 0)
+        return [dict(r or rule, row_id=f"r/{m}{t}{k}", model=m, topology=t, link_gbps=None if k == "off" else float(k))
+                for m, t, k in report.OVERLAP_RULE_CELLS]
+    m, v = goal(cells())
+    assert v == "met" and m.startswith(f"{len(report.OVERLAP_RULE_CELLS)} run(s), 0 failing") and "fails" not in m
+    m, v = goal([rule])   # one cell only: the others not measured
+    assert v == "not resolved" and "not measured: 406M 4x1 knob off" in m and "406M 2x1 knob off" not in m.split(
+        "not measured")[1]
+    assert goal(cells(ab(math.log(1.009) - t3 * 0.002, 0.002)))[1] == "met"                 # upper 1.009
+    assert goal(cells()[1:] + [ab(math.log(1.011) - t3 * 0.002, 0.002)])[1] == "not met"    # upper 1.011
+    assert goal(cells()[1:] + [ab(0.0, 0.003)])[1] == "not met"     # Student's t: upper 1.013 (a normal 1.96: 1.006)
+    m, v = goal(cells()[1:] + [ab(math.log(1.005), 0.0003)])         # slower, its upper bound 1.006 below 1.01
+    assert v == "not met" and "fails the rule (slower)" in m
+    # end to end below, the timed steps above: met (the rule reads end to end only)
+    assert goal(cells(ab(math.log(0.95), 0.0, log_ratio_mean=0.0, log_ratio_se=0.01)))[1] == "met"
+    close = ab(0.0, 0.01)   # 1.0, upper 1.044 (t of 3 pairs)
+    m, v = goal(cells() + [close])   # a second run of a cell, judged alone: its failure is the verdict
+    assert v == "not met" and "1 failing" in m and "406M 2x1 knob off" in m and "upper bound above 1.01" in m
+    assert goal(cells() + [dict(close, status="failed")])[1] == "met"   # a failed run measured nothing
+    m, v = goal(cells() + [dict(rule, overlap_ab=None)])
+    assert v == "not resolved" and "fewer than 2 pairs of blocks timed" in m
+    no_cycle = {k: x for k, x in st.items() if "cycle" not in k}   # a row from before cycle_ms
+    assert goal(cells() + [dict(rule, overlap_ab=no_cycle)])[1] == "not resolved"
+    # outside the rule: another config, a share-GPU mode, a delay, another model or knob; counted, not judged
+    others = [dict(close, config="x"), dict(close, mode="share-GPU sockets"), dict(close, link_delay_us=500.0),
+              dict(close, model="86M"), dict(close, link_gbps=2.0), dict(close, step_sync="device")]
+    m, v = goal(cells() + others)
+    assert v == "met" and "6 run(s) outside the rule" in m
+    assert goal(others) == (report.NM, report.NM)
+    assert "`weights.overlap` on by default" in report.goals_table(cells() + [close], [], None)
