@@ -1125,14 +1125,16 @@ def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
     in one process, ``e2e --overlap-blocks`` with :data:`OVERLAP_RULE_CONFIG` on logical nodes, timed on the
     current stream), the end-to-end (``cycle_``) upper 95% bound is at most :data:`OVERLAP_RULE_BOUND` and none
     is "overlap slower".  Each run is judged alone (a failing run keeps the verdict "not met" whatever runs are
-    added); a cell without a run with an end-to-end interval leaves it "not resolved" at best."""
-    parts, verdicts, judged, outside = [], [], set(), 0
+    added; so does a run without an end-to-end interval, "not resolved"); a cell without a run leaves it "not
+    resolved" at best."""
+    parts, verdicts, seen, outside = [], [], set(), 0
     for r in overlap_ab_rows(tp_rows):
         cell = _overlap_rule_cell(r) if step_sync(r) == "stream" else None
         if cell is None:
             outside += 1
             continue
         st = r["overlap_ab"] or {}
+        seen.add(cell)
         name = f"{' '.join(cell[:2])} knob {_knob(r)} ({r.get('mode')}, {r.get('machine')}, {r.get('commit')})"
         if not st.get("cycle_n"):
             why = r.get("overlap_ab_error") or ("fewer than 2 pairs of blocks timed" if not st else "not recorded")
@@ -1141,13 +1143,12 @@ def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
             continue
         _, _, hi, verdict = _overlap_interval(st["cycle_log_ratio_mean"], st["cycle_log_ratio_se"], st["cycle_n"])
         fail = hi > OVERLAP_RULE_BOUND or verdict == "overlap slower"
-        judged.add(cell)
         why = "slower" if verdict == "overlap slower" else f"upper bound above {OVERLAP_RULE_BOUND}"
-        parts.append(f"{name}: {_ab_cell(st, 'cycle_')}" + (f"; fails the rule ({why})" if fail else ""))
+        parts.append(f"{name}: {_ab_cell(st, 'cycle_')}" + (f". Rule: fails ({why})" if fail else ""))
         verdicts.append("not met" if fail else "met")
     if not verdicts:
-        return NM, NM
-    missing = [f"{m} {t} knob {k}" for m, t, k in OVERLAP_RULE_CELLS if (m, t, k) not in judged]
+        return (f"{outside} run(s), all outside the rule" if outside else NM), NM
+    missing = [f"{m} {t} knob {k}" for m, t, k in OVERLAP_RULE_CELLS if (m, t, k) not in seen]
     if missing:
         parts.append("not measured: " + ", ".join(missing))
         verdicts.append("not resolved")
@@ -1283,7 +1284,7 @@ GOAL_SPEEDUP = 6.0          # issue 20: the default >= 6x ZeRO-3 (and ZeRO++) wi
 GOAL_BOUND = {"2x2": 0.45, "4x1": 0.60}   # issue 20: share of the no-communication bound
 GOAL_WORLD1 = 1.01          # issue 20: world size 1, default step / ZeRO-3 step
 GOAL_GAP = 0.3              # issue 21: mean train-loss gap to ZeRO-3, %
-OVERLAP_RULE_BOUND = 1.01   # issue 20: weights.overlap on by default only at most this (findings.md, "overlap")
+OVERLAP_RULE_BOUND = 1.01   # issue 20: weights.overlap on by default only where every bound is at most this
 
 
 def _same_run(r: dict, rows: Sequence[dict], config: str) -> Optional[dict]:
