@@ -97,11 +97,13 @@ class WeightsConfig(_Strict):
                         description=("the weight refresh after each step runs in this many pieces cut at module "
                                      "boundaries (smaller exchange buffers)"))
     overlap: bool = Field(False,
-                          description=("`full` replica: the pieces on a side stream, each module's forward waiting "
-                                       "only for its own; sets DeepSpeed's timers.throughput.synchronized to false "
-                                       "where omitted, refuses true (off by default: faster where the link between "
-                                       "nodes is slow, not resolved in 4 of 6 cells at about 14 Gb/s per rank; "
-                                       "see the README's support table)"))
+                          description=("`full` replica on a GPU: the pieces on a side stream, each module's forward "
+                                       "waiting only for its own; with it, DeepSpeed's "
+                                       "timers.throughput.synchronized is set to false where omitted and refused "
+                                       "where true. Turn it on where the link between nodes is slow (faster in "
+                                       "every cell measured at 5 Gb/s per rank); off by default, as at about 14 "
+                                       "Gb/s per rank its gain is not resolved in most cells (the README's support "
+                                       "table)"))
 
     @field_validator("group_size")
     @classmethod

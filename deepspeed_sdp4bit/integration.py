@@ -1161,6 +1161,7 @@ class SDP4BitState:
     def summary(self) -> Dict[str, Any]:
         """Bytes this rank sent in the last optimizer step, per collective and level, vs the baseline.
 
+        ``step`` is the 0-based index of the optimizer step described (4 after five steps).
         ``{"active": True, "step", "skipped", "gradients": {"bytes_by_level", "bytes", "baseline_bytes", "compression"},
         "weights": {...}, "bytes", "baseline_bytes", "compression"}``.  The gradient baseline is the bf16
         ring reduce-scatter ZeRO-3 would run on the same buckets; the weight baseline is the same replica

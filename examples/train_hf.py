@@ -10,7 +10,7 @@ TrainingArguments are taken from the ds_config, so the Trainer finds nothing to 
 GPUs (one rank per GPU)::
 
     torchrun --nproc_per_node 4 examples/train_hf.py --ds-config configs/sdp4bit.json --out runs/hf
-    # or: deepspeed --num_gpus 4 examples/train_hf.py ...   /   accelerate launch --num_processes 4 ...
+    # or (not tested with this example): deepspeed --num_gpus 4 examples/train_hf.py ...   /   accelerate launch ...
 
 CPU (gloo ranks; see ``_cpu_workarounds`` for what the example does there and why)::
 
