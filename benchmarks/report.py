@@ -1154,8 +1154,7 @@ def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
         verdicts.append("not resolved")
     head = (f"{len(verdicts) - bool(missing)} run(s), {verdicts.count('not met')} failing"
             + (f"; {outside} run(s) outside the rule" if outside else ""))
-    m, v = _combined([head] + parts, verdicts)
-    return m, v
+    return _combined([head] + parts, verdicts)
 
 
 def _pool_ratios(ratios: Sequence[float]) -> Tuple[float, float, float, str]:
@@ -1759,9 +1758,11 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
         m, v = _memory_goal(tp_rows, replica, today)
         rows.append(("20", f"peak memory per rank above ZeRO-3 (same run), replica {replica}: {goal}", m, v))
     m, v = _overlap_default_goal(tp_rows)
+    models, topos, knobs = (" and ".join(", ".join(dict.fromkeys(c[i] for c in OVERLAP_RULE_CELLS)).rsplit(", ", 1))
+                            for i in range(3))
     rows.append(("20", "`weights.overlap` on by default where it applies (the full replica on a GPU), by the rule "
                  "set before the runs that judge it: both modes in one process (`e2e --overlap-blocks`, "
-                 "`--step-sync stream`), 406M and 1.3B as 2x1, 4x1 and 2x2 logical nodes, knob off and 5 Gb/s per "
+                 f"`--step-sync stream`), {models} as {topos} logical nodes, knob {knobs} Gb/s per "
                  f"rank; in every run the end-to-end overlapped / inside step() upper 95% bound <= {OVERLAP_RULE_BOUND}"
                  " and none slower (met: the default is to be switched on in config.py; not met: it stays opt-in)",
                  m, v))

@@ -91,8 +91,9 @@ class WeightsConfig(_Strict):
     # refresh completes inside ``step()``.  Off by default: with one rank per GPU, both modes timed in one process
     # in a loop that waits for its loss after step(), it ran faster at 5 Gb/s per rank (406M 2x1, 4x1, 2x2; 1.3B
     # 2x1) and was resolved as slower nowhere, but at about 14 Gb/s three cells have an upper 95% bound above
-    # 1.01, which fails the rule set before those runs (benchmarks/results/findings.md, "overlap").  The node replica is always refreshed inside ``step()``
-    # (DeepSpeed's own gathers read it, prefetching ahead of the forward).
+    # 1.01, which fails the rule set before those runs (benchmarks/results/findings.md, "overlap").  The node
+    # replica is always refreshed inside ``step()`` (DeepSpeed's own gathers read it, prefetching ahead of the
+    # forward).
     pieces: int = Field(16, ge=1, le=256,
                         description=("the weight refresh after each step runs in this many pieces cut at module "
                                      "boundaries (smaller exchange buffers)"))
