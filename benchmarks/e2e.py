@@ -395,7 +395,8 @@ def run(args) -> int:
                 rc, wall = suite.run_process(cmd, env, work / f"{name}.log", timeout)
                 row.update(rc=rc, wall_s=round(wall, 1))
                 row["timed_steps_requested"] = n_timed
-                row.update(_summarize(log_json, warmup, v, world, gpn, n_timed=n_timed))
+                row.update(_summarize(log_json, warmup, v, world, gpn, n_timed=n_timed,
+                                      asked_blocks=args.overlap_blocks))
                 if gbps is not None or delay:
                     row["link_stats"] = link.stats_summary(link.read_stats(stats_dir))
                 m = probed
@@ -564,9 +565,10 @@ def paired_stats(ms: List[float], other_ms: List[float], warmup: int) -> Optiona
 
 
 def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: int, paired: bool = False,
-               n_timed: Optional[int] = None) -> dict:
+               n_timed: Optional[int] = None, asked_blocks: int = 0) -> dict:
     """Numbers of one train_gpt.py log (see the module docstring) over its ``n_timed`` steps after ``warmup`` (all
-    after it when None; --profile-steps come after those); ``paired``: of its --paired-ds-config engine."""
+    after it when None; --profile-steps come after those); ``paired``: of its --paired-ds-config engine;
+    ``asked_blocks``: the run's ``--overlap-blocks`` (a row whose engine switched nothing says why)."""
     if not log_json.is_file():
         return {"status": "failed"}
     doc = json.loads(log_json.read_text())
@@ -598,7 +600,13 @@ def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: i
     out["wire_bytes_total"] = sum(out["wire_bytes_per_step"].values())
     out["wire_bytes_source"] = "sdp4bit_* levels: engine.sdp4bit_summary() of the last step; others: formula"
     out.update(_counted(timed))
+    chosen = meta.get("sdp4bit_overlap_choice")   # weights.overlap omitted: the engine's probe and decision
+    if chosen is not None:
+        out["overlap_choice"] = chosen
     blocks = (meta.get("args") or {}).get("overlap_blocks")
+    if asked_blocks and not blocks:   # (train_gpt.py switched nothing: the automatic choice left it off)
+        out.update(overlap_ab=None, overlap_ab_error="nothing switched: weights.overlap omitted and decided off ("
+                   + str((chosen or {}).get("reason", "no choice recorded")) + ")")
     if blocks:
         try:
             out["overlap_ab"] = overlap_ab_stats(timed, blocks)
@@ -623,9 +631,13 @@ def overlap_blocks_error(args: argparse.Namespace, variants: List[suite.Variant]
                 "inside the step that queued it: both modes would time the same)")
     for v in variants:   # each config's own warm-up and timed steps (the --slow configs': --*-slow)
         cfg = suite.apply_ds_set(v.load(), suite.ds_sets_of(args.train_arg))
-        if ((cfg.get("sdp4bit") or {}).get("weights") or {}).get("overlap") is not True:
-            return (f"--overlap-blocks switches weights.overlap, which {v.label} does not turn on (e.g. "
-                    f"sdp4bit_overlap)")
+        sdp = cfg.get("sdp4bit")
+        if (not isinstance(sdp, dict) or sdp.get("enabled") is False
+                or (sdp.get("weights") or {}).get("overlap", None) not in (True, None)):
+            what = ("runs without SDP4Bit" if not isinstance(sdp, dict) or sdp.get("enabled") is False
+                    else "turns off")
+            return (f"--overlap-blocks switches weights.overlap, which {v.label} {what} (sdp4bit_overlap turns it "
+                    f"on; with the key omitted the engine decides, and a run it left off switches nothing)")
         slow = v.config in args.slow
         warm = (args.warmup_slow if args.warmup_slow is not None else args.warmup) if slow else args.warmup
         n = args.timed_slow if slow else args.timed

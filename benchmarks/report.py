@@ -107,11 +107,30 @@ def today_default() -> Dict[str, object]:
     return suite.config_snapshot(json.loads((suite.CONFIG_DIR / "sdp4bit.json").read_text()), None, parse_block)
 
 
+AUTO_OVERLAP_KEYS = ("sdp4bit.weights.overlap", "sdp4bit.weights.overlap_below_gbps")
+
+
+def _overlap_cannot_apply(r: dict) -> bool:
+    """Rows on which today's automatic ``weights.overlap`` (the key omitted) is off whatever the link: one node
+    (SDP4Bit off there, or no link between nodes to probe) and the node replica (refreshed inside ``step()``)."""
+    nodes = str(r.get("topology", "")).split("x")[0]
+    return nodes == "1" or r.get("replica") == "node"
+
+
 def differences_from_default(r: dict, today: Dict[str, object]) -> Optional[Dict[str, tuple]]:
     """How the config a row ran differs from today's default ({} = the same); None when the row has no
-    ``config_snapshot`` (see ``merge --backfill-configs``)."""
+    ``config_snapshot`` (see ``merge --backfill-configs``).  A row that ran without the overlap (``false``, or
+    before the key) where today's automatic choice cannot turn it on (:func:`_overlap_cannot_apply`) ran what
+    today's default runs there: those keys are not counted."""
     snap = r.get("config_snapshot")
-    return None if snap is None else suite.config_differences(snap, today)
+    if snap is None:
+        return None
+    diff = suite.config_differences(snap, today)
+    if (today.get(AUTO_OVERLAP_KEYS[0]) is None and diff.get(AUTO_OVERLAP_KEYS[0], (None,))[0] in (False, "absent")
+            and _overlap_cannot_apply(r)):
+        for k in AUTO_OVERLAP_KEYS:
+            diff.pop(k, None)
+    return diff
 
 
 def _diff_text(diff: Dict[str, tuple]) -> str:
@@ -1141,10 +1160,8 @@ def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
             parts.append(f"{name}: no end-to-end interval ({why})")
             verdicts.append("not resolved")
             continue
-        _, _, hi, verdict = _overlap_interval(st["cycle_log_ratio_mean"], st["cycle_log_ratio_se"], st["cycle_n"])
-        fail = hi > OVERLAP_RULE_BOUND or verdict == "overlap slower"
-        why = "slower" if verdict == "overlap slower" else f"upper bound above {OVERLAP_RULE_BOUND}"
-        parts.append(f"{name}: {_ab_cell(st, 'cycle_')}" + (f". Rule: fails ({why})" if fail else ""))
+        fail, text = _ratio_verdict(st)
+        parts.append(f"{name}: {text}")
         verdicts.append("not met" if fail else "met")
     if not verdicts:
         return (f"{outside} run(s), all outside the rule" if outside else NM), NM
@@ -1154,6 +1171,79 @@ def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
         verdicts.append("not resolved")
     head = (f"{len(verdicts) - bool(missing)} run(s), {verdicts.count('not met')} failing"
             + (f"; {outside} run(s) outside the rule" if outside else ""))
+    return _combined([head] + parts, verdicts)
+
+
+AUTO_RULE_CONFIG = "sdp4bit"   # the default: weights.overlap omitted, decided by the engine's probe of the link
+AUTO_RULE_KNOB = "5"           # the slow link of the rule (Gb/s per rank)
+AUTO_RULE_CELLS = tuple((m, t) for m in ("406M", "1.3B") for t in ("2x1", "4x1", "2x2"))
+AUTO_RULE_DEFAULT_RUN = ("2x1",)   # topologies whose cells need a run of the default config itself
+
+
+def _ratio_verdict(st: dict) -> Tuple[bool, str]:
+    """(fails, text) of one run's end-to-end ratio by the bar both overlap rules share: upper 95% bound at most
+    :data:`OVERLAP_RULE_BOUND` and not "overlap slower"."""
+    _, _, hi, verdict = _overlap_interval(st["cycle_log_ratio_mean"], st["cycle_log_ratio_se"], st["cycle_n"])
+    fail = hi > OVERLAP_RULE_BOUND or verdict == "overlap slower"
+    why = "slower" if verdict == "overlap slower" else f"upper bound above {OVERLAP_RULE_BOUND}"
+    return fail, _ab_cell(st, "cycle_") + (f". Rule: fails ({why})" if fail else "")
+
+
+def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
+    """The rule for ``weights.overlap`` omitted (decided by the engine's probe of the link between nodes), set before
+    the runs that judge it (findings.md, "overlap", twenty-third session): (1) every run of
+    :data:`AUTO_RULE_CONFIG` at the :data:`AUTO_RULE_KNOB` Gb/s knob has the overlap turned on; (2) every run in
+    which it was on and switched (the default's where the probe turned it on, any knob; and
+    :data:`OVERLAP_RULE_CONFIG`'s at the knob) passes :func:`_ratio_verdict`; (3) every cell of
+    :data:`AUTO_RULE_CELLS` at the knob has a judged ratio, those of :data:`AUTO_RULE_DEFAULT_RUN` a run of the
+    default.  Runs on logical nodes of a host, timed on the current stream, without a delay; each judged alone."""
+    parts, verdicts, ratio_seen, default_seen, outside = [], [], set(), set(), 0
+    for r in overlap_ab_rows(tp_rows):
+        knob = link.label(r.get("link_gbps"))
+        cell = (str(r["model"]), str(r["topology"]))
+        on_nodes = (step_sync(r) == "stream" and str(r.get("mode", "")).endswith("nodes")
+                    and not r.get("link_delay_us"))
+        choice = r.get("overlap_choice") if r.get("config") == AUTO_RULE_CONFIG else None
+        explicit = r.get("config") == OVERLAP_RULE_CONFIG and knob == AUTO_RULE_KNOB
+        if not on_nodes or not (choice or explicit):
+            outside += 1
+            continue
+        name = f"{' '.join(cell)} knob {_knob(r)} ({r.get('config')}, {r.get('mode')}, {r.get('machine')}, " \
+               f"{r.get('commit')})"
+        if choice:
+            gbps = choice.get("gbps")
+            name += f", probe {gbps:.2f} Gb/s: {'on' if choice.get('on') else 'off'}" if gbps is not None else \
+                f", {'on' if choice.get('on') else 'off'} ({choice.get('reason')})"
+            if knob == AUTO_RULE_KNOB:
+                default_seen.add(cell)
+                if not choice.get("on"):
+                    parts.append(f"{name}. Rule: fails (left off at the {AUTO_RULE_KNOB} Gb/s knob)")
+                    verdicts.append("not met")
+                    continue
+            elif not choice.get("on"):
+                parts.append(f"{name}: the default as before (not judged)")
+                continue
+        st = r["overlap_ab"] or {}
+        if not st.get("cycle_n"):
+            why = r.get("overlap_ab_error") or ("fewer than 2 pairs of blocks timed" if not st else "not recorded")
+            parts.append(f"{name}: no end-to-end interval ({why})")
+            verdicts.append("not resolved")
+            continue
+        fail, text = _ratio_verdict(st)
+        if knob == AUTO_RULE_KNOB:
+            ratio_seen.add(cell)
+        parts.append(f"{name}: {text}")
+        verdicts.append("not met" if fail else "met")
+    missing = [f"{m} {t}" + (" (a run of the default)" if (m, t) in ratio_seen else "")
+               for m, t in AUTO_RULE_CELLS
+               if (m, t) not in ratio_seen or (t in AUTO_RULE_DEFAULT_RUN and (m, t) not in default_seen)]
+    if not parts:
+        return (f"{outside} run(s), all outside the rule" if outside else NM), NM
+    head = (f"{len(verdicts)} judged run(s), {verdicts.count('not met')} failing"
+            + (f"; {outside} run(s) outside the rule" if outside else ""))
+    if missing:
+        parts.append(f"not measured at the {AUTO_RULE_KNOB} Gb/s knob: " + ", ".join(missing))
+        verdicts.append("not resolved")
     return _combined([head] + parts, verdicts)
 
 
@@ -1766,6 +1856,15 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
                  f"rank; in every run the end-to-end overlapped / inside step() upper 95% bound <= {OVERLAP_RULE_BOUND}"
                  " and none slower (met: the default is to be switched on in config.py; not met: it stays opt-in)",
                  m, v))
+    m, v = _overlap_auto_goal(tp_rows)
+    models, topos = (" and ".join(", ".join(dict.fromkeys(c[i] for c in AUTO_RULE_CELLS)).rsplit(", ", 1))
+                     for i in range(2))
+    rows.append(("20", "`weights.overlap` omitted: on where the engine's probe of the link between nodes reads below "
+                 "`weights.overlap_below_gbps` (6 Gb/s per rank), by the rule set before the runs that judge it: "
+                 f"every run of the default at the {AUTO_RULE_KNOB} Gb/s knob turns it on; every run where it was "
+                 f"on and switched (`e2e --overlap-blocks`, `--step-sync stream`, logical nodes) has its end-to-end "
+                 f"upper 95% bound <= {OVERLAP_RULE_BOUND} and none slower; {models} at {topos} judged at the knob "
+                 f"(not met: the omitted key means off again)", m, v))
     m, v = _accuracy_goal(acc_rows)
     rows.append(("21", f"default's train loss (last 50 steps) within +{GOAL_GAP}% of ZeRO-3, seed-paired", m, v))
     m, v = _ablation_goal(acc_rows)

@@ -88,23 +88,35 @@ class WeightsConfig(_Strict):
     # the exchange buffers hold one piece, not a whole sub-group.  Full replica, with ``overlap``: the pieces
     # run on a side stream and a module's forward waits only for the pieces holding the parameters below it
     # (as FSDP2 prefetches), so the next forward starts before the whole exchange has arrived; without it the
-    # refresh completes inside ``step()``.  Off by default: with one rank per GPU, both modes timed in one process
-    # in a loop that waits for its loss after step(), it ran faster at 5 Gb/s per rank (406M 2x1, 4x1, 2x2; 1.3B
-    # 2x1) and was resolved as slower nowhere, but at about 14 Gb/s three cells have an upper 95% bound above
-    # 1.01, which fails the rule set before those runs (benchmarks/results/findings.md, "overlap").  The node
-    # replica is always refreshed inside ``step()`` (DeepSpeed's own gathers read it, prefetching ahead of the
-    # forward).
+    # refresh completes inside ``step()``.  The node replica is always refreshed inside ``step()`` (DeepSpeed's
+    # own gathers read it, prefetching ahead of the forward).
     pieces: int = Field(16, ge=1, le=256,
                         description=("the weight refresh after each step runs in this many pieces cut at module "
                                      "boundaries (smaller exchange buffers)"))
-    overlap: bool = Field(False,
-                          description=("`full` replica on a GPU: the pieces on a side stream, each module's forward "
-                                       "waiting only for its own; with it, DeepSpeed's "
-                                       "timers.throughput.synchronized is set to false where omitted and refused "
-                                       "where true. Turn it on where the link between nodes is slow (faster in "
-                                       "every cell measured at 5 Gb/s per rank); off by default, as at about 14 "
-                                       "Gb/s per rank its gain is not resolved in most cells (the README's support "
-                                       "table)"))
+    # Omitted (None) = decided when the engine is built (integration.choose_overlap): on where the link between
+    # nodes, probed then (Topology.probe_inter_gbps), carries less than ``overlap_below_gbps`` per rank, logged
+    # once.  Timed both ways in one process with one rank per GPU, the overlap ran faster in every cell measured
+    # at 5 Gb/s per rank and was resolved as slower nowhere, but at about 14 Gb/s three cells had an upper 95%
+    # bound above 1.01 (benchmarks/results/findings.md, "overlap"): so where the link is fast it stays off.
+    overlap: Optional[bool] = Field(None,
+                                    description=("`full` replica on a GPU: the pieces on a side stream, each "
+                                                 "module's forward waiting only for its own; with it, DeepSpeed's "
+                                                 "timers.throughput.synchronized is set to false where omitted and "
+                                                 "refused where true (the automatic choice stays off instead). "
+                                                 "`true` / `false` force it"))
+    # 6: the 22nd session's runs read 4.1-4.9 Gb/s per rank at the 5 Gb/s knob (the overlap faster in every cell)
+    # and 7.4-14.4 unshaped, where its gain was not resolved in most cells.
+    overlap_below_gbps: float = Field(6.0, gt=0.0, le=1e6,
+                                      description=("with `overlap` omitted: the overlap is on where the link between "
+                                                   "nodes, probed when the engine is built, carries less than this "
+                                                   "many Gb/s per rank"))
+
+    @model_validator(mode="after")
+    def _threshold_only_for_the_automatic_choice(self):
+        if "overlap_below_gbps" in self.model_fields_set and self.overlap is not None:
+            raise ValueError(f"overlap_below_gbps is read only when overlap is omitted (the automatic choice), but "
+                             f"overlap is {json.dumps(self.overlap)}: remove one of the two keys")
+        return self
 
     @field_validator("group_size")
     @classmethod
@@ -237,6 +249,8 @@ AUTOMATIC = {
     "topology.gpus_per_node": "the launcher's LOCAL_WORLD_SIZE",
     "kernel_backend": "per op the fastest kernel backend that runs on the device",
     "weights.replica": "`full` when the bf16 copy fits `full_replica_budget`, else `node` (logged)",
+    "weights.overlap": ("on where the link between nodes, probed when the engine is built, is slower than "
+                        "`overlap_below_gbps` (logged)"),
 }
 
 

@@ -284,7 +284,7 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
         w = w.model_copy(update={"enabled": False})
         notes.append("weights: left to ZeRO-3 (a node replica on one node is each rank's own partition: there is "
                      "no copy to refresh)")
-    if w.enabled and w.overlap and w.replica == "node":
+    if w.enabled and w.overlap is True and w.replica == "node":
         notes.append("weights.overlap: applies to the full replica only; the node replica's refresh runs inside "
                      "step(), not overlapped")
     cfg = cfg.model_copy(update={"weights": w})
@@ -326,7 +326,7 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
                                   f"rank: overriding zero_optimization.{k}={zero[k]}")
                 zero.pop(k, None)
             zero[key] = big
-        if w.overlap:
+        if w.overlap is True:   # (omitted: decided in attach, choose_overlap)
             _unsynchronize_throughput_timer(ds, notes)
     return RunPlan(ds, cfg, None, notes)
 
@@ -716,7 +716,7 @@ class _Replica:
             done += p.ds_numel
         return out
 
-    def __init__(self, opt, state: "SDP4BitState", module=None):
+    def __init__(self, opt, state: "SDP4BitState", module=None, overlap: bool = False):
         self.topology = state.topology
         self.weights = state.weights
         self.level = state.level
@@ -763,7 +763,7 @@ class _Replica:
         self._dirty: set = set()
         dev = self.flat[0].device if self.flat and self.flat[0] is not None else None
         self._stream = None
-        overlap = self.level == "full" and wcfg.overlap and dev is not None
+        overlap = self.level == "full" and overlap and dev is not None
         if overlap and dev.type != "cuda":
             _say(f"weights.overlap: needs a CUDA device (a side stream); on {dev.type} the refresh runs inside step()")
         elif overlap:
@@ -987,6 +987,8 @@ class SDP4BitState:
         self.nonfinite: Optional[torch.Tensor] = None   # bool [] "a local gradient was not finite"
         self.last_summary: Dict[str, Any] = {}
         self._prev = self._cumulative()
+        # weights.overlap omitted: what choose_overlap measured and decided (None otherwise)
+        self.overlap_choice: Optional[Dict[str, Any]] = None
         # The persistent replica (layout, buffers, destination maps): built once, in attach().
         self.replica: Optional[_Replica] = None
 
@@ -1102,8 +1104,11 @@ class SDP4BitState:
             raise TypeError(f"sdp4bit: engine.sdp4bit.overlap must be True or False, got {on!r}")
         rep = self.replica
         if rep is None or rep._stream is None:
+            chosen = getattr(self, "overlap_choice", None)
             raise ValueError("sdp4bit: engine.sdp4bit.overlap can only be switched where weights.overlap is on and "
-                             "active (the full replica on a CUDA device); here the refresh always runs inside step()")
+                             "active (the full replica on a CUDA device); here the refresh always runs inside step()"
+                             + (f" (weights.overlap omitted and decided off: {chosen['reason']})"
+                                if chosen and not chosen["on"] else ""))
         if not on:
             rep.wait()
         rep.overlapping = on
@@ -1235,7 +1240,10 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
                 raise SDP4BitConfigError("sdp4bit.weights.replica='full' needs every parameter persistent "
                                          "(stage3_param_persistence_threshold); use deepspeed.initialize "
                                          "after importing deepspeed_sdp4bit so the config is adjusted")
-        state.replica = _Replica(opt, state, module=engine.module)
+        state.replica = _Replica(opt, state, module=engine.module,
+                                 overlap=choose_overlap(engine, state, next(
+                                     (t.device for t in opt.fp16_partitioned_groups_flat if t is not None),
+                                     torch.device("cpu"))))
         state.replica.zero_padding(opt)
     setattr(opt, _STATE_ATTR, state)
     # Start from exact replicas: DeepSpeed built them from the initial bf16 weights, but a resync makes the
@@ -1245,6 +1253,54 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
     engine.sdp4bit_summary = state.summary
     _say(_on_line(state))
     return state
+
+
+def _overlap_possible(device) -> bool:
+    """Whether an overlapped refresh can run on ``device`` (it needs a side stream: CUDA)."""
+    return device.type == "cuda"
+
+
+def choose_overlap(engine, state: "SDP4BitState", device) -> bool:
+    """``weights.overlap`` for this engine's full replica: the key's value, or, with the key omitted, on where the
+    link between nodes is slow: :meth:`Topology.probe_inter_gbps` (every rank gets the same number, so every
+    rank decides alike) below ``weights.overlap_below_gbps``.  What was measured and decided goes to
+    ``state.overlap_choice`` and one log line.  Turning it on sets DeepSpeed's throughput timer unsynchronized
+    (it would wait for the whole device, the refresh in flight included, at every step's end), unless the
+    ds_config sets ``timers.throughput.synchronized`` itself: then the overlap stays off (a true there is the
+    user's; an explicit ``weights.overlap: true`` is refused with it, in :func:`plan_run`)."""
+    w = state.cfg.weights
+    if state.level != "full":
+        return False
+    if w.overlap is not None:
+        return w.overlap
+    thr = w.overlap_below_gbps
+    gbps, on = None, False
+    if not _overlap_possible(device):
+        why = f"no side stream on {device.type}: the refresh runs inside step()"
+    elif state.topology.num_nodes == 1:
+        why = "one node: no link between nodes"
+    else:
+        gbps = state.topology.probe_inter_gbps(device)
+        measured = f"the link between nodes measured {gbps:.2f} Gb/s per rank"
+        timer = getattr(getattr(engine, "tput_timer", None), "config", None)
+        synced = bool(timer is not None and timer.enabled and timer.synchronized)
+        given = ((getattr(getattr(engine, "_config", None), "_param_dict", None) or {}).get("timers") or {})
+        given = given.get("throughput") if isinstance(given, dict) else None
+        if gbps >= thr:
+            why = f"{measured}, not below weights.overlap_below_gbps={thr:g}"
+        elif synced and isinstance(given, dict) and "synchronized" in given:
+            why = (f"{measured}, below weights.overlap_below_gbps={thr:g}, but the ds_config sets "
+                   f"timers.throughput.synchronized=true, which waits for the whole device at every step's end")
+        else:
+            on = True
+            why = f"{measured}, below weights.overlap_below_gbps={thr:g}"
+            if synced:
+                timer.synchronized = False
+                why += ("; timers.throughput.synchronized set to false (it would wait for the refresh at every "
+                        "step's end)")
+    state.overlap_choice = {"automatic": True, "gbps": gbps, "below_gbps": thr, "on": on, "reason": why}
+    _say(f"weights.overlap: {'on' if on else 'off'} ({why}); set sdp4bit.weights.overlap to choose")
+    return on
 
 
 def _on_line(state: "SDP4BitState") -> str:

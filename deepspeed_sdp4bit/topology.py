@@ -8,10 +8,14 @@ tests can run 2 nodes x 2 ranks with gloo.
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -147,6 +151,45 @@ class Topology:
                 inter = g
         return cls(shape=shape, rank=rank, group=group, global_ranks=global_ranks, intra_group=intra,
                    inter_group=inter)
+
+    def probe_inter_gbps(self, device, mib: float = 8.0, calls: int = 3) -> float:
+        """The link between nodes as the weight refresh uses it: Gb/s per rank of an all-gather of ``mib`` MiB per
+        rank over the inter-node groups, every group at once (the node's ranks share its link, as in a step).
+
+        One untimed call, then ``calls`` timed ones, each after a barrier over the data-parallel group and a
+        device synchronize; rate = the bytes a rank sends in a ring all-gather, ``(num_nodes - 1) x mib`` MiB,
+        x 8 / the slowest rank's median time.  Every rank returns the same number (``inf`` on one node: no link
+        to measure).  Collective over the data-parallel group.
+        """
+        if calls < 1 or not mib > 0:
+            raise ValueError(f"probe_inter_gbps needs calls >= 1 and mib > 0, got calls={calls}, mib={mib}")
+        if self.num_nodes == 1:
+            return math.inf
+        device = torch.device(device)
+        n = max(1, int(mib * (1 << 20)))
+        x = torch.arange(n, dtype=torch.int32, device=device).to(torch.uint8)   # (not zeros)
+        out = torch.empty(self.num_nodes * n, dtype=torch.uint8, device=device)
+        tick = torch.zeros(1, dtype=torch.float32, device=device)
+
+        def sync():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+        def barrier():
+            dist.all_reduce(tick, group=self.group)
+            sync()
+
+        dist.all_gather_into_tensor(out, x, group=self.inter_group)   # (connections set up, untimed)
+        times = []
+        for _ in range(calls):
+            barrier()
+            t0 = time.perf_counter()
+            dist.all_gather_into_tensor(out, x, group=self.inter_group)
+            sync()
+            times.append(time.perf_counter() - t0)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=self.group)
+        return (self.num_nodes - 1) * n * 8 / max(float(slowest.item()), 1e-9) / 1e9
 
     def describe(self) -> str:
         return (f"{self.num_nodes} node(s) x {self.gpus_per_node} rank(s) per node; data-parallel rank "

@@ -203,8 +203,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(on off off on: each mode first in every other pair of blocks), switched through "
                         "engine.sdp4bit.overlap; each step's record gets overlap (its mode) and block_first (the "
                         "first step of a block, half of either mode: its forward or its refresh meets the other "
-                        "mode's).  Needs weights.overlap active (the full replica on a GPU); not with "
-                        "--paired-ds-config")
+                        "mode's).  Needs weights.overlap active (the full replica on a GPU; with the key omitted, "
+                        "where the engine's probe of the link turned it on, else nothing is switched and the log's "
+                        "meta says why); not with --paired-ds-config")
     b.add_argument("--step-sync", choices=STEP_SYNCS, default="device",
                    help="what a timed step waits for before and after it on a GPU: 'device' (default, every "
                         "committed row up to the nineteenth session) every stream of the device "
@@ -541,6 +542,13 @@ def main(argv=None) -> dict:
         print("WARNING: the ds_config enables sdp4bit but the engine exposes no sdp4bit_summary(); the log "
               "will carry no communication summary", file=sys.stderr, flush=True)
 
+    chosen = getattr(getattr(engine, "sdp4bit", None), "overlap_choice", None)   # weights.overlap omitted
+    if args.overlap_blocks and chosen and not chosen["on"]:
+        # the automatic choice (decided when the engine was built) left it off: nothing to switch; the steps run as
+        # the default runs there, and the log's meta says why (sdp4bit_overlap_choice)
+        notices.append(f"--overlap-blocks: nothing switched, weights.overlap omitted and decided off "
+                       f"({chosen['reason']})")
+        args.overlap_blocks = 0
     if args.overlap_blocks and not getattr(getattr(engine, "sdp4bit", None), "overlap", False):
         raise SystemExit("train_gpt.py: --overlap-blocks switches weights.overlap step by step, but this engine does "
                          "not overlap its weight refresh (sdp4bit.weights.overlap true with the full replica on a "
@@ -579,6 +587,7 @@ def main(argv=None) -> dict:
         "sdp4bit_config": sdp_cfg.model_dump() if sdp_cfg.active else None,
         "sdp4bit_summary_source": summary_source, "sdp4bit_evidence": evidence,
         "sdp4bit_replica": getattr(getattr(engine, "sdp4bit", None), "level", None),
+        "sdp4bit_overlap_choice": chosen,
         "peak_mem_kind": "cpu_maxrss_bytes" if ON_CPU else "cuda_max_allocated_bytes",
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                      "deepspeed_sdp4bit": getattr(deepspeed_sdp4bit, "__version__", None),

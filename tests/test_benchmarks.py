@@ -1513,7 +1513,7 @@ def test_train_gpt_step_sync_waits_for_every_stream_or_the_current_one(monkeypat
     assert calls == ["device", "stream"]
 
 
-def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
+def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
     """--overlap-blocks: both modes of the overlapped weight refresh timed in one process (train_gpt.py switches
     engine.sdp4bit.overlap in blocks of steps); e2e summarizes pairs of blocks; the report keeps such rows out of
     every table but overlap.md's own."""
@@ -1533,10 +1533,14 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
                             warmup_slow=None, step_sync="stream", train_arg=[])
     ovl, z3 = suite.Variant.parse("sdp4bit_overlap"), suite.Variant.parse("zero3")
     assert e2e.overlap_blocks_error(ns, [ovl]) is None   # steps 11..30: blocks 2..5, pairs 1 and 2
-    # a config that does not overlap (or that a --ds-set turns off) is refused before anything runs
-    assert "sdp4bit does not turn on" in e2e.overlap_blocks_error(ns, [suite.Variant.parse("sdp4bit")])
+    # the default (weights.overlap omitted: the engine decides, and a run it leaves off switches nothing) is taken;
+    # a config that turns it off (or a --ds-set that does), or has no SDP4Bit, is refused before anything runs
+    assert e2e.overlap_blocks_error(ns, [suite.Variant.parse("sdp4bit")]) is None
+    assert "zero3 runs without SDP4Bit" in e2e.overlap_blocks_error(ns, [z3])
+    assert "sdp4bit_no_overlap turns off" in e2e.overlap_blocks_error(ns, [suite.Variant.parse("sdp4bit_no_overlap")])
     off = ["--ds-set", "sdp4bit.weights.overlap=false"]
-    assert "does not turn on" in e2e.overlap_blocks_error(argparse.Namespace(**dict(vars(ns), train_arg=off)), [ovl])
+    assert "sdp4bit_overlap turns off" in e2e.overlap_blocks_error(argparse.Namespace(**dict(vars(ns), train_arg=off)),
+                                                                    [ovl])
     z3_only = argparse.Namespace(**dict(vars(ns), slow=["sdp4bit_overlap"]))   # a --slow config: --timed-slow
     assert "timed steps 11..12 hold 0 pair(s)" in e2e.overlap_blocks_error(z3_only, [ovl])
     # where the warm-up ends decides the pairs: steps 6..25 hold only pair 1 (blocks 2, 3) whole
@@ -1561,6 +1565,25 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
                           cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
     assert proc.returncode != 0 and "this engine does not overlap its weight refresh" in proc.stdout + proc.stderr
+    # the default (weights.overlap omitted) is decided by the engine: left off (no side stream on a CPU), the run
+    # switches nothing and trains; its row says why and stays out of the other tables (overlap_ab present)
+    log = tmp_path / "auto.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(suite.TRAIN), "--ds-config", "configs/sdp4bit.json", "--d-model", "32",
+                           "--layers", "1", "--heads", "2", "--seq", "16", "--micro-batch", "1", "--steps", "4",
+                           "--random-tokens", "--eval-every", "0", "--eval-batches", "0", "--no-progress",
+                           "--overlap-blocks", "2", "--ds-set", "sdp4bit.topology.gpus_per_node=1",
+                           "--ds-set", "sdp4bit.weights.replica=\"full\"", "--log-json", str(log)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "nothing switched, weights.overlap omitted and decided off (no side stream on cpu" in proc.stdout
+    meta = json.loads(log.read_text())["meta"]
+    assert meta["sdp4bit_overlap_choice"]["on"] is False and meta["args"]["overlap_blocks"] == 0
+    got = e2e._summarize(log, 1, suite.Variant.parse("sdp4bit"), 2, 1, asked_blocks=2)
+    assert got["status"] == "ok" and got["overlap_ab"] is None and got["overlap_choice"]["on"] is False
+    assert got["overlap_ab_error"].startswith("nothing switched: weights.overlap omitted and decided off (no side")
+    assert "overlap_ab" not in e2e._summarize(log, 1, suite.Variant.parse("sdp4bit"), 2, 1)   # (not asked)
 
     # the statistics: blocks of 3 (on off off on on off off on), a block's first step left out (slower in the on
     # blocks here, so that counting it would move the ratio)
@@ -1640,3 +1663,37 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch):
     assert v == "met" and "6 run(s) outside the rule" in m
     assert goal(others) == ("6 run(s), all outside the rule", report.NM)
     assert "`weights.overlap` on by default" in report.goals_table(cells() + [close], [], None)
+    # the automatic overlap's rule (findings.md, twenty-third session): runs of the default (overlap omitted) whose
+    # probe turned it on, and sdp4bit_overlap's at the 5 Gb/s knob, judged as above; the default at the knob must
+    # turn it on; each 5 Gb/s cell needs a judged ratio, the 2x1 ones a run of the default
+    auto = report._overlap_auto_goal
+    assert auto([]) == (report.NM, report.NM)
+    on = {"automatic": True, "gbps": 4.2, "below_gbps": 6.0, "on": True, "reason": "r"}
+    dflt = dict(rule, config="sdp4bit", overlap_choice=on, link_gbps=5.0)
+
+    def cells5(r):
+        return [dict(r, row_id=f"a/{m}{t}", model=m, topology=t) for m, t in report.AUTO_RULE_CELLS]
+    m, v = auto(cells5(dflt))
+    assert v == "met" and m.startswith("6 judged run(s), 0 failing") and "probe 4.20 Gb/s: on" in m
+    # the explicit runs count for the ratio, but the 2x1 cells still need a run of the default
+    m, v = auto(cells5(dict(rule, link_gbps=5.0)))
+    assert v == "not resolved" and "406M 2x1 (a run of the default), 1.3B 2x1 (a run of the default)" in m
+    assert auto(cells5(dict(rule, link_gbps=5.0)) + [dict(dflt, model=x) for x in ("406M", "1.3B")])[1] == "met"
+    m, v = auto(cells5(dflt)[1:])
+    assert v == "not resolved" and m.endswith("not measured at the 5 Gb/s knob: 406M 2x1")
+    # left off at the knob: fails, whatever its ratio (it switched nothing)
+    off = dict(on, on=False, gbps=6.5)
+    m, v = auto(cells5(dflt) + [dict(dflt, overlap_choice=off, overlap_ab=None)])
+    assert v == "not met" and "probe 6.50 Gb/s: off. Rule: fails (left off at the 5 Gb/s knob)" in m
+    # a fast link left off: the default as before, not judged; turned on there: judged like the rest
+    m, v = auto(cells5(dflt) + [dict(dflt, overlap_choice=off, link_gbps=None, overlap_ab=None)])
+    assert v == "met" and "the default as before (not judged)" in m and m.startswith("6 judged")
+    m, v = auto(cells5(dflt) + [dict(close, config="sdp4bit", overlap_choice=on, link_gbps=None)])
+    assert v == "not met" and "Rule: fails (upper bound above 1.01)" in m
+    assert auto(cells5(dflt)[1:] + [dict(ab(math.log(1.005), 0.0003), config="sdp4bit", overlap_choice=on,
+                                         link_gbps=5.0)])[1] == "not met"   # slower
+    # outside: the default without a recorded choice (before this rule), sdp4bit_overlap off the knob, share-GPU
+    m, v = auto(cells5(dflt) + [dict(dflt, overlap_choice=None), dict(rule, link_gbps=None),
+                                dict(dflt, mode="share-GPU sockets")])
+    assert v == "met" and "3 run(s) outside the rule" in m
+    assert "`weights.overlap` omitted: on where" in report.goals_table(cells5(dflt), [], None)

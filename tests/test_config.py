@@ -181,13 +181,29 @@ def test_booleans_are_not_integers(block, where):
     ({"gradients": {"hadamard": "no"}}, "sdp4bit.gradients.hadamard", '`true` or `false`, got "no" (a string)'),
     ({"enabled": "off"}, "sdp4bit.enabled", '`true` or `false`, got "off" (a string)'),
     ({"quantize_single_node": 1}, "sdp4bit.quantize_single_node", "`true` or `false`, got 1 (an integer)"),
-    ({"weights": {"overlap": None}}, "sdp4bit.weights.overlap", "`true` or `false`, got null"),
+    ({"weights": {"enabled": None}}, "sdp4bit.weights.enabled", "`true` or `false`, got null"),
     ({"gradients": {"group_size": [128]}}, "sdp4bit.gradients.group_size", "an integer, got [128] (a list)"),
 ])
 def test_a_value_of_the_wrong_json_type_is_refused_naming_what_was_given(block, where, said):
     with pytest.raises(SDP4BitConfigError) as e:
         parse_block(block)
     assert f"{where}: must be {said}" in str(e.value)
+
+
+def test_overlap_omitted_is_the_automatic_choice_and_its_threshold_belongs_to_it():
+    w = parse_block({}).weights
+    assert w.overlap is None and w.overlap_below_gbps == 6.0
+    assert parse_block({"weights": {"overlap": None}}).weights.overlap is None   # null = omitted
+    assert parse_block({"weights": {"overlap_below_gbps": 2}}).weights.overlap_below_gbps == 2.0
+    for given in (True, False):   # a forced value takes no threshold: one of the two keys is a mistake
+        with pytest.raises(SDP4BitConfigError, match=r"sdp4bit\.weights: overlap_below_gbps is read only when "
+                                                     rf"overlap is omitted .*, but overlap is {str(given).lower()}"):
+            parse_block({"weights": {"overlap": given, "overlap_below_gbps": 2}})
+    for bad in (0, -1, 2e6):
+        with pytest.raises(SDP4BitConfigError, match=r"sdp4bit\.weights\.overlap_below_gbps"):
+            parse_block({"weights": {"overlap_below_gbps": bad}})
+    with pytest.raises(SDP4BitConfigError, match="omit the key for the automatic choice"):
+        parse_block({"weights": {"overlap": "auto"}})
 
 
 def test_numbers_of_either_json_kind_and_null_where_allowed_still_read():

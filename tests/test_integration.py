@@ -734,6 +734,92 @@ def test_overlap_switch_refuses_what_is_not_a_bool_or_not_built_to_overlap():
     assert waits == [1] and SDP4BitState.overlap.fget(st) is True
 
 
+def _auto_overlap_worker(rank, world, cases, possible):
+    """``weights.overlap`` omitted: per case (a label of :data:`AUTO_CASES`: sdp4bit keys, top-level ds_config keys)
+    the engine's
+    automatic choice, its probes of the link and DeepSpeed's throughput timer after it.  ``possible`` (CPU): what
+    ``integration._overlap_possible`` answers, so gloo runs the probe and the decision (the refresh then runs
+    inside step(): no side stream there)."""
+    du = _setup()
+    import deepspeed_sdp4bit.integration as integ
+
+    if possible is not None:
+        integ._overlap_possible = lambda device: possible
+    probes, orig = [], integ.Topology.probe_inter_gbps
+
+    def counted(self, *a, **k):
+        probes.append(1)
+        return orig(self, *a, **k)
+    integ.Topology.probe_inter_gbps = counted
+    res = {}
+    for label in cases:
+        extra, top = AUTO_CASES[label]
+        probes.clear()
+        extra = dict(extra, weights={**PIECES, **extra.get("weights", {})})
+        e = du.make_engine(du.base_config(sdp4bit=block(None, replica="full", **extra), **top))
+        r = {"choice": e.sdp4bit.overlap_choice, "probes": len(probes), "overlap": e.sdp4bit.overlap,
+             "tput_synchronized": e.tput_timer.config.synchronized,
+             "streamed": e.sdp4bit.replica._stream is not None}
+        r["losses"] = du.train_steps(e, 2, rank)
+        e.sdp4bit.wait()
+        res[label] = r
+        del e
+    return res
+
+
+AUTO_CASES = {"slow": ({"weights": {"overlap_below_gbps": 1e6}}, {}),    # any link measures below 1e6 Gb/s: on
+              "fast": ({"weights": {"overlap_below_gbps": 1e-6}}, {}),   # and none below 1e-6: off
+              "timer": ({"weights": {"overlap_below_gbps": 1e6}}, {"timers": {"throughput": {"synchronized": True}}}),
+              "given": ({"weights": {"overlap": False}}, {}),
+              "cpu": ({}, {}),
+              "one": ({"topology": {"gpus_per_node": WORLD}, "quantize_single_node": True}, {})}
+LINK_CASES = ("slow", "fast", "timer", "given")
+
+
+def _check_auto_overlap(runs, streams: bool):
+    slow, fast, timer, given = (runs[0][k] for k in ("slow", "fast", "timer", "given"))
+    for lbl in ("slow", "fast", "timer"):   # one probe each, and every rank measured the same rate
+        assert all(x[lbl]["probes"] == 1 and x[lbl]["choice"]["automatic"] is True for x in runs)
+        assert 0 < runs[0][lbl]["choice"]["gbps"] < 1e6
+        assert len({x[lbl]["choice"]["gbps"] for x in runs}) == 1, [x[lbl]["choice"] for x in runs]
+    assert slow["choice"]["on"] is True and "below weights.overlap_below_gbps=1e+06" in slow["choice"]["reason"]
+    assert "timers.throughput.synchronized set to false" in slow["choice"]["reason"]
+    assert slow["tput_synchronized"] is False and slow["streamed"] is streams and slow["overlap"] is streams
+    assert fast["choice"]["on"] is False and "not below weights.overlap_below_gbps=1e-06" in fast["choice"]["reason"]
+    assert fast["tput_synchronized"] is True and not fast["streamed"] and fast["overlap"] is False
+    # a synchronized timer the user asked for keeps the overlap off (not an error: nothing was asked of it)
+    assert timer["choice"]["on"] is False and "sets timers.throughput.synchronized=true" in timer["choice"]["reason"]
+    assert timer["tput_synchronized"] is True and not timer["streamed"]
+    # a given value is taken as it is: no probe, no choice recorded
+    assert given["probes"] == 0 and given["choice"] is None and not given["streamed"]
+    for lbl in ("fast", "timer", "given"):   # the same math whichever way it went
+        assert runs[0][lbl]["losses"] == slow["losses"], lbl
+
+
+def test_automatic_overlap_probes_the_link_and_decides_on_every_rank_alike():
+    runs = family(_auto_overlap_worker, LINK_CASES, True)
+    _check_auto_overlap(runs, streams=False)   # (gloo: the decision is taken, the refresh stays inside step())
+
+
+def test_automatic_overlap_is_off_without_a_side_stream_and_on_one_node():
+    runs = family(_auto_overlap_worker, ("cpu",), None)
+    for x in runs:   # CPU: nothing to overlap, so nothing probed
+        r = x["cpu"]
+        assert r["probes"] == 0 and r["choice"]["on"] is False and r["choice"]["gbps"] is None
+        assert "no side stream on cpu" in r["choice"]["reason"] and r["tput_synchronized"] is True
+    one = family(_auto_overlap_worker, ("one",), True)
+    for x in one:
+        r = x["one"]
+        assert r["probes"] == 0 and r["choice"]["on"] is False and "one node" in r["choice"]["reason"]
+
+
+def test_automatic_overlap_on_cuda():
+    env = _cuda_share_gpu()
+    runs = run_distributed(_auto_overlap_worker, WORLD, args=(LINK_CASES, None), local_world_size=1, env=env,
+                           backend="nccl")
+    _check_auto_overlap(runs, streams=True)
+
+
 def test_node_replica_in_pieces():
     runs = family(_pieces_worker, STEPS, (True,))
     r, one = runs[0][f"node pieces={PIECES['pieces']}"], runs[0]["node pieces=1"]

@@ -57,3 +57,30 @@ def _auto_worker(rank, world):
 def test_auto_uses_the_launchers_local_size_not_the_hardware():
     # 4 ranks started as 2 "hosts" of 2 ranks each
     assert run_distributed(_auto_worker, 4, local_world_size=2) == [2, 2, 2, 2]
+
+
+def _probe_worker(rank, world, gpn):
+    topo = Topology.build(gpn)
+    sent = []
+    orig = dist.all_gather_into_tensor
+
+    def counted(out, x, group=None, **k):   # what the probe puts on the inter-node groups
+        sent.append((x.numel() * x.element_size(), dist.get_world_size(group)))
+        return orig(out, x, group=group, **k)
+    dist.all_gather_into_tensor = counted
+    try:
+        gbps = topo.probe_inter_gbps("cpu", mib=0.25, calls=2)
+    finally:
+        dist.all_gather_into_tensor = orig
+    return gbps, sent
+
+
+def test_link_probe_times_the_inter_node_groups_and_every_rank_reads_the_same():
+    res = run_distributed(_probe_worker, 4, args=(2,))
+    assert len({g for g, _ in res}) == 1 and 0 < res[0][0] < float("inf")
+    for _, sent in res:   # one untimed call and two timed ones, 0.25 MiB each over a group of the 2 nodes
+        assert sent == [(1 << 18, 2)] * 3
+    one = run_distributed(_probe_worker, 4, args=(4,))   # one node: no link to probe, nothing sent
+    assert all(g == float("inf") and sent == [] for g, sent in one)
+    with pytest.raises(ValueError, match="calls >= 1 and mib > 0"):
+        Topology(shape=TopologyShape(2, 1), rank=0, group=None, global_ranks=[0, 1]).probe_inter_gbps("cpu", calls=0)
