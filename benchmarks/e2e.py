@@ -35,9 +35,12 @@ the formula's ``wire_bytes_*``), bound nothing, and stay out of the tables, the 
 ones.  ``--profile-steps N`` runs N more steps under torch.profiler after the timed ones: rank 0's Chrome trace
 and top-operator tables land in ``OUT/<run id>_profiles/``, and each row gets ``profile``, per profiled step its
 wall time, the GPU's busy time (the union of its kernel, copy and memset intervals) and the host's synchronize time.
-``--overlap-blocks N`` (configs that overlap their weight refresh): train_gpt.py switches ``weights.overlap`` on and
-off in blocks of N steps in one process; rows get ``overlap_ab`` (:func:`overlap_ab_stats`) and stay out of every
-table but overlap.md's own (their step median mixes both modes).
+``--overlap-blocks N`` (configs that overlap their weight refresh, or leave ``weights.overlap`` to the engine's probe
+of the link): train_gpt.py switches ``weights.overlap`` on and off in blocks of N steps in one process; rows get
+``overlap_ab`` (:func:`overlap_ab_stats`) and stay out of every table but overlap.md's own (their step median mixes
+both modes); a row whose engine left the overlap off (the key omitted, a fast link) switched nothing: ``overlap_ab``
+None and ``overlap_ab_error`` say so.  Rows of engines that decided the overlap themselves carry ``overlap_choice``
+(the probe's reading and the decision).
 """
 
 from __future__ import annotations
@@ -116,7 +119,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap-blocks", type=int, default=0, metavar="N",
                    help="time the overlapped weight refresh against the refresh inside step() in ONE process: "
                         "train_gpt.py --overlap-blocks N switches weights.overlap in blocks of N steps (on off off "
-                        "on ...); each config must overlap (e.g. sdp4bit_overlap); rows get overlap_ab (per pair of "
+                        "on ...); each config must overlap (e.g. sdp4bit_overlap) or leave it to the engine (the "
+                        "key omitted: a run it left off switches nothing); rows get overlap_ab (per pair of "
                         "blocks, on over off: mean and standard error of the log ratio) and stay out of every other "
                         "table; use with --step-sync stream (else the overlap cannot show a gain)")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
