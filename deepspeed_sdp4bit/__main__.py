@@ -264,6 +264,12 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
             lines.append(f"weights: every rank keeps all weights (replica 'full'); after each step: {what}; "
                          f"inter-node all-gather among the {N} ranks of each local index, intra-node "
                          f"all-gather over {g}; no gathers in forward/backward")
+            if N > 1:
+                lines.append("weights.overlap: " + (
+                    f"decided when the engine is built: on where the link between nodes measures below "
+                    f"{w.overlap_below_gbps:g} Gb/s per rank (weights.overlap_below_gbps), on a GPU; logged"
+                    if w.overlap is None else f"{'on' if w.overlap else 'off'} (given)"
+                    + " on a GPU; the refresh runs inside step() on a CPU" * bool(w.overlap)))
         elif N > 1:
             lines.append(f"weights: one replica per node (replica 'node', DeepSpeed hpZ of size {g}); after "
                          f"each step: {what}; inter-node all-gather among the {N} ranks of each local index, "

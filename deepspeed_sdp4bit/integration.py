@@ -260,7 +260,8 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
     if nodes == 1 and not cfg.quantize_single_node:
         return RunPlan(ds_config, off, f"one node of {gpn} ranks: no inter-node link to save, and inside a node "
                                        f"ZeRO-3's bf16 collectives are faster than quantized ones; set "
-                                       f"sdp4bit.quantize_single_node=true to quantize them anyway")
+                                       f"sdp4bit.quantize_single_node=true to quantize them anyway, or a smaller "
+                                       f"sdp4bit.topology.gpus_per_node to run the host as several logical nodes")
     ds = copy.deepcopy(ds_config)
     zero = ds.setdefault("zero_optimization", {})
     if ds.get("sequence_parallel_size", 1) not in (None, 1):

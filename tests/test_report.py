@@ -87,6 +87,26 @@ def test_linter_notes_a_missing_batch_size_and_the_early_8_bit_steps():
     assert "of the steps after the first 100, which send more between nodes: gradients.inter8_steps" in text
 
 
+def test_linter_says_how_the_overlap_of_the_full_replica_is_set():
+    """The full replica between nodes: the overlap decided when the engine is built (the key omitted, with the
+    threshold), or as given; nothing to say with the node replica or on one node."""
+    ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
+    full = dict(ds, sdp4bit=dict(ds["sdp4bit"], weights=dict(ds["sdp4bit"]["weights"], replica="full")))
+
+    def said(cfg, world=16, gpn=8):
+        return [x for x in report.plan(cfg, world, gpn)["lines"] if x.startswith("weights.overlap:")]
+    assert said(full) == ["weights.overlap: decided when the engine is built: on where the link between nodes "
+                          "measures below 6 Gb/s per rank (weights.overlap_below_gbps), on a GPU; logged"]
+    full["sdp4bit"]["weights"]["overlap_below_gbps"] = 2.5
+    assert "below 2.5 Gb/s per rank" in said(full)[0]
+    del full["sdp4bit"]["weights"]["overlap_below_gbps"]
+    full["sdp4bit"]["weights"]["overlap"] = False
+    assert said(full) == ["weights.overlap: off (given)"]
+    full["sdp4bit"]["weights"]["overlap"] = True
+    assert said(full) == ["weights.overlap: on (given) on a GPU; the refresh runs inside step() on a CPU"]
+    assert said(ds) == [] and said(dict(full, sdp4bit=dict(full["sdp4bit"], quantize_single_node=True)), 8, 8) == []
+
+
 def test_plan_bytes_are_the_models():
     ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
     p = report.plan(ds, 16, 8, 10 ** 9)
