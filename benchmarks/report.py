@@ -1156,17 +1156,11 @@ def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
         if cell is None:
             outside += 1
             continue
-        st = r["overlap_ab"] or {}
         seen.add(cell)
         name = f"{' '.join(cell[:2])} knob {_knob(r)} ({r.get('mode')}, {r.get('machine')}, {r.get('commit')})"
-        if not st.get("cycle_n"):
-            why = r.get("overlap_ab_error") or ("fewer than 2 pairs of blocks timed" if not st else "not recorded")
-            parts.append(f"{name}: no end-to-end interval ({why})")
-            verdicts.append("not resolved")
-            continue
-        fail, text = _ratio_verdict(st)
+        verdict, text = _overlap_run_verdict(r)
         parts.append(f"{name}: {text}")
-        verdicts.append("not met" if fail else "met")
+        verdicts.append(verdict)
     if not verdicts:
         return (f"{outside} run(s), all outside the rule" if outside else NM), NM
     missing = [f"{m} {t} knob {k}" for m, t, k in OVERLAP_RULE_CELLS if (m, t, k) not in seen]
@@ -1184,13 +1178,18 @@ AUTO_RULE_CELLS = tuple((m, t) for m in ("406M", "1.3B") for t in ("2x1", "4x1",
 AUTO_RULE_DEFAULT_RUN = ("2x1",)   # topologies whose cells need a run of the default config itself
 
 
-def _ratio_verdict(st: dict) -> Tuple[bool, str]:
-    """(fails, text) of one run's end-to-end ratio by the bar both overlap rules share: upper 95% bound at most
-    :data:`OVERLAP_RULE_BOUND` and not "overlap slower"."""
+def _overlap_run_verdict(r: dict) -> Tuple[str, str]:
+    """(verdict, text) of one ``e2e --overlap-blocks`` run's end-to-end ratio by the bar both overlap rules share:
+    "met" with the upper 95% bound at most :data:`OVERLAP_RULE_BOUND` and not "overlap slower", else "not met";
+    "not resolved" for a run without an end-to-end interval."""
+    st = r["overlap_ab"] or {}
+    if not st.get("cycle_n"):
+        why = r.get("overlap_ab_error") or ("fewer than 2 pairs of blocks timed" if not st else "not recorded")
+        return "not resolved", f"no end-to-end interval ({why})"
     _, _, hi, verdict = _overlap_interval(st["cycle_log_ratio_mean"], st["cycle_log_ratio_se"], st["cycle_n"])
     fail = hi > OVERLAP_RULE_BOUND or verdict == "overlap slower"
     why = "slower" if verdict == "overlap slower" else f"upper bound above {OVERLAP_RULE_BOUND}"
-    return fail, _ab_cell(st, "cycle_") + (f". Rule: fails ({why})" if fail else "")
+    return "not met" if fail else "met", _ab_cell(st, "cycle_") + (f". Rule: fails ({why})" if fail else "")
 
 
 def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
@@ -1198,7 +1197,7 @@ def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
     the runs that judge it (findings.md, "overlap", twenty-third session): (1) every run of
     :data:`AUTO_RULE_CONFIG` at the :data:`AUTO_RULE_KNOB` Gb/s knob has the overlap turned on; (2) every run in
     which it was on and switched (the default's where the probe turned it on, any knob; and
-    :data:`OVERLAP_RULE_CONFIG`'s at the knob) passes :func:`_ratio_verdict`; (3) every cell of
+    :data:`OVERLAP_RULE_CONFIG`'s at the knob) passes :func:`_overlap_run_verdict`; (3) every cell of
     :data:`AUTO_RULE_CELLS` at the knob has a judged ratio, those of :data:`AUTO_RULE_DEFAULT_RUN` a run of the
     default.  Runs on logical nodes of a host, timed on the current stream, without a delay; each judged alone."""
     parts, verdicts, ratio_seen, default_seen, outside = [], [], set(), set(), 0
@@ -1227,17 +1226,11 @@ def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
             elif not choice.get("on"):
                 parts.append(f"{name}: the default as before (not judged)")
                 continue
-        st = r["overlap_ab"] or {}
-        if not st.get("cycle_n"):
-            why = r.get("overlap_ab_error") or ("fewer than 2 pairs of blocks timed" if not st else "not recorded")
-            parts.append(f"{name}: no end-to-end interval ({why})")
-            verdicts.append("not resolved")
-            continue
-        fail, text = _ratio_verdict(st)
-        if knob == AUTO_RULE_KNOB:
+        verdict, text = _overlap_run_verdict(r)
+        if knob == AUTO_RULE_KNOB and verdict != "not resolved":
             ratio_seen.add(cell)
         parts.append(f"{name}: {text}")
-        verdicts.append("not met" if fail else "met")
+        verdicts.append(verdict)
     missing = [f"{m} {t}" + (" (a run of the default)" if (m, t) in ratio_seen else "")
                for m, t in AUTO_RULE_CELLS
                if (m, t) not in ratio_seen or (t in AUTO_RULE_DEFAULT_RUN and (m, t) not in default_seen)]
