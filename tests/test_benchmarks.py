@@ -925,8 +925,8 @@ def test_config_snapshot_of_a_commit_is_read_by_that_commits_code():
         pytest.skip("a shallow clone: commit 8902d87 is not in this checkout's history")
     old = suite.config_snapshot_at("8902d87", "sdp4bit", None)
     assert suite.config_differences(old, report.today_default()) == {
-        "sdp4bit.gradients.align_params": ("absent", True), "sdp4bit.weights.overlap": ("absent", False),
-        "sdp4bit.weights.pieces": ("absent", 16)}
+        "sdp4bit.gradients.align_params": ("absent", True), "sdp4bit.weights.overlap": ("absent", None),
+        "sdp4bit.weights.overlap_below_gbps": ("absent", 6.0), "sdp4bit.weights.pieces": ("absent", 16)}
     # a row of that commit with several ranks per node lacks the fix of 81caf8d; a 4x1 row is not concerned
     row = {"commit": "8902d87", "gpus_per_node": 2, "config_snapshot": old}
     assert report.fixes_missing(row) == ["81caf8d"] and report.fixes_missing(dict(row, gpus_per_node=1)) == []
