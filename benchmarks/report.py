@@ -1174,6 +1174,7 @@ def _overlap_default_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
 
 AUTO_RULE_CONFIG = "sdp4bit"   # the default: weights.overlap omitted, decided by the engine's probe of the link
 AUTO_RULE_KNOB = "5"           # the slow link of the rule (Gb/s per rank)
+AUTO_RULE_THRESHOLD = 6.0      # weights.overlap_below_gbps of the rule's default
 AUTO_RULE_CELLS = tuple((m, t) for m in ("406M", "1.3B") for t in ("2x1", "4x1", "2x2"))
 AUTO_RULE_DEFAULT_RUN = ("2x1",)   # topologies whose cells need a run of the default config itself
 
@@ -1192,25 +1193,37 @@ def _overlap_run_verdict(r: dict) -> Tuple[str, str]:
     return "not met" if fail else "met", _ab_cell(st, "cycle_") + (f". Rule: fails ({why})" if fail else "")
 
 
+def _auto_default(r: dict) -> bool:
+    """A run of the default's automatic overlap: :data:`AUTO_RULE_CONFIG` with ``weights.overlap`` omitted and the
+    threshold of the rule (its config snapshot), its engine's choice recorded."""
+    snap = r.get("config_snapshot") or {}
+    return (r.get("config") == AUTO_RULE_CONFIG and r.get("overlap_choice") is not None
+            and snap.get("sdp4bit.weights.overlap", "absent") is None
+            and snap.get("sdp4bit.weights.overlap_below_gbps") == AUTO_RULE_THRESHOLD)
+
+
 def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
     """The rule for ``weights.overlap`` omitted (decided by the engine's probe of the link between nodes), set before
-    the runs that judge it (findings.md, "overlap", twenty-third session): (1) every run of
-    :data:`AUTO_RULE_CONFIG` at the :data:`AUTO_RULE_KNOB` Gb/s knob has the overlap turned on; (2) every run in
-    which it was on and switched (the default's where the probe turned it on, any knob; and
+    the runs that judge it (findings.md, "overlap", twenty-third session), over runs on logical nodes of a host
+    without a delay: (1) every run of the default (:func:`_auto_default`) at the :data:`AUTO_RULE_KNOB` Gb/s knob,
+    switching or not, has the overlap turned on; (2) every run in which it was on and switched (``e2e
+    --overlap-blocks 5``, timed on the current stream: the default's where the probe turned it on, any knob, and
     :data:`OVERLAP_RULE_CONFIG`'s at the knob) passes :func:`_overlap_run_verdict`; (3) every cell of
     :data:`AUTO_RULE_CELLS` at the knob has a judged ratio, those of :data:`AUTO_RULE_DEFAULT_RUN` a run of the
-    default.  Runs on logical nodes of a host, timed on the current stream, without a delay; each judged alone."""
+    default.  Each run judged alone."""
     parts, verdicts, ratio_seen, default_seen, outside = [], [], set(), set(), 0
-    for r in overlap_ab_rows(tp_rows):
+    for r in _ok(tp_rows, paired=True) + overlap_ab_rows(tp_rows):   # (ok: rows that did not switch)
         knob = link.label(r.get("link_gbps"))
         cell = (str(r["model"]), str(r["topology"]))
-        on_nodes = (step_sync(r) == "stream" and str(r.get("mode", "")).endswith("nodes")
-                    and not r.get("link_delay_us"))
-        choice = r.get("overlap_choice") if r.get("config") == AUTO_RULE_CONFIG else None
-        explicit = r.get("config") == OVERLAP_RULE_CONFIG and knob == AUTO_RULE_KNOB
-        if not on_nodes or not (choice or explicit):
-            outside += 1
+        nodes = str(r.get("mode", "")).endswith("nodes") and not r.get("link_delay_us")
+        st = r.get("overlap_ab")
+        switched = "overlap_ab" in r and step_sync(r) == "stream" and (st is None or st.get("blocks") == 5)
+        auto = _auto_default(r)
+        explicit = r.get("config") == OVERLAP_RULE_CONFIG and knob == AUTO_RULE_KNOB and switched
+        if not nodes or not (auto and ("overlap_ab" not in r or switched) or explicit):
+            outside += "overlap_ab" in r   # (runs that switched nothing and are not the default's: not counted)
             continue
+        choice = r["overlap_choice"] if auto else None
         name = f"{' '.join(cell)} knob {_knob(r)} ({r.get('config')}, {r.get('mode')}, {r.get('machine')}, " \
                f"{r.get('commit')})"
         if choice:
@@ -1224,7 +1237,11 @@ def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
                     verdicts.append("not met")
                     continue
             elif not choice.get("on"):
-                parts.append(f"{name}: the default as before (not judged)")
+                if switched:
+                    parts.append(f"{name}: the default as before (not judged)")
+                continue
+            if not switched:   # on, at the knob (rule 1 holds), with no ratio to judge
+                parts.append(f"{name}: not switched (no ratio)")
                 continue
         verdict, text = _overlap_run_verdict(r)
         if knob == AUTO_RULE_KNOB and verdict != "not resolved":
@@ -1851,7 +1868,8 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
                  "set before the runs that judge it: both modes in one process (`e2e --overlap-blocks`, "
                  f"`--step-sync stream`), {models} as {topos} logical nodes, knob {knobs} Gb/s per "
                  f"rank; in every run the end-to-end overlapped / inside step() upper 95% bound <= {OVERLAP_RULE_BOUND}"
-                 " and none slower (met: the default is to be switched on in config.py; not met: it stays opt-in)",
+                 " and none slower (met: the default is to be switched on in config.py; not met: it stays opt-in; "
+                 "superseded for the default by the automatic choice, next row)",
                  m, v))
     m, v = _overlap_auto_goal(tp_rows)
     models, topos = (" and ".join(", ".join(dict.fromkeys(c[i] for c in AUTO_RULE_CELLS)).rsplit(", ", 1))

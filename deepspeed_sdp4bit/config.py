@@ -104,8 +104,9 @@ class WeightsConfig(_Strict):
                                                  "timers.throughput.synchronized is set to false where omitted and "
                                                  "refused where true (the automatic choice stays off instead). "
                                                  "`true` / `false` force it"))
-    # 6: the 22nd session's runs read 4.1-4.9 Gb/s per rank at the 5 Gb/s knob (the overlap faster in every cell)
-    # and 7.4-14.4 unshaped, where its gain was not resolved in most cells.
+    # 6: e2e's own probe in the 22nd session's runs read 3.9-4.9 Gb/s per rank at the 5 Gb/s knob (the overlap
+    # faster in every cell) and 11.6-14.5 unshaped (one run 4.93), where its gain was not resolved in most cells;
+    # the engine's probe reads about the knob's rate at the knob but read 37.95 where e2e's read 14.4 (23rd session).
     overlap_below_gbps: float = Field(6.0, gt=0.0, le=1e6,
                                       description=("with `overlap` omitted: the overlap is on where the link between "
                                                    "nodes, probed when the engine is built, carries less than this "

@@ -1241,10 +1241,9 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
                 raise SDP4BitConfigError("sdp4bit.weights.replica='full' needs every parameter persistent "
                                          "(stage3_param_persistence_threshold); use deepspeed.initialize "
                                          "after importing deepspeed_sdp4bit so the config is adjusted")
+        # (the engine's device: the same kind on every rank, so every rank takes the probe's path or none does)
         state.replica = _Replica(opt, state, module=engine.module,
-                                 overlap=choose_overlap(engine, state, next(
-                                     (t.device for t in opt.fp16_partitioned_groups_flat if t is not None),
-                                     torch.device("cpu"))))
+                                 overlap=choose_overlap(engine, state, torch.device(engine.device)))
         state.replica.zero_padding(opt)
     setattr(opt, _STATE_ATTR, state)
     # Start from exact replicas: DeepSpeed built them from the initial bf16 weights, but a resync makes the
@@ -1270,28 +1269,30 @@ def choose_overlap(engine, state: "SDP4BitState", device) -> bool:
     ds_config sets ``timers.throughput.synchronized`` itself: then the overlap stays off (a true there is the
     user's; an explicit ``weights.overlap: true`` is refused with it, in :func:`plan_run`)."""
     w = state.cfg.weights
-    if state.level != "full":
-        return False
     if w.overlap is not None:
-        return w.overlap
+        return w.overlap and state.level == "full"
     thr = w.overlap_below_gbps
     gbps, on = None, False
+    timer = getattr(getattr(engine, "tput_timer", None), "config", None)
+    synced = bool(timer is not None and timer.enabled and timer.synchronized)
+    given = ((getattr(getattr(engine, "_config", None), "_param_dict", None) or {}).get("timers") or {})
+    given = given.get("throughput") if isinstance(given, dict) else None
+    if state.level != "full":
+        state.overlap_choice = {"automatic": True, "gbps": None, "below_gbps": thr, "on": False,
+                                "reason": f"the {state.level} replica is refreshed inside step()"}
+        return False   # (nothing to say: the node replica never overlaps)
     if not _overlap_possible(device):
         why = f"no side stream on {device.type}: the refresh runs inside step()"
     elif state.topology.num_nodes == 1:
         why = "one node: no link between nodes"
+    elif synced and isinstance(given, dict) and "synchronized" in given:
+        why = ("the ds_config sets timers.throughput.synchronized=true, which waits for the whole device at every "
+               "step's end (the link not probed)")
     else:
         gbps = state.topology.probe_inter_gbps(device)
         measured = f"the link between nodes measured {gbps:.2f} Gb/s per rank"
-        timer = getattr(getattr(engine, "tput_timer", None), "config", None)
-        synced = bool(timer is not None and timer.enabled and timer.synchronized)
-        given = ((getattr(getattr(engine, "_config", None), "_param_dict", None) or {}).get("timers") or {})
-        given = given.get("throughput") if isinstance(given, dict) else None
         if gbps >= thr:
             why = f"{measured}, not below weights.overlap_below_gbps={thr:g}"
-        elif synced and isinstance(given, dict) and "synchronized" in given:
-            why = (f"{measured}, below weights.overlap_below_gbps={thr:g}, but the ds_config sets "
-                   f"timers.throughput.synchronized=true, which waits for the whole device at every step's end")
         else:
             on = True
             why = f"{measured}, below weights.overlap_below_gbps={thr:g}"

@@ -153,20 +153,21 @@ class Topology:
                    inter_group=inter)
 
     def probe_inter_gbps(self, device, mib: float = 8.0, calls: int = 3) -> float:
-        """The link between nodes as the weight refresh uses it: Gb/s per rank of an all-gather of ``mib`` MiB per
-        rank over the inter-node groups, every group at once (the node's ranks share its link, as in a step).
+        """The link between nodes as the weight refresh uses it: Gb/s per rank of an all-gather over the inter-node
+        groups, every group at once (the node's ranks share its link, as in a step), in which each rank sends
+        ``mib`` MiB whatever the number of nodes (chunks of ``mib / (num_nodes - 1)`` MiB, at least 64 KiB).
 
         One untimed call, then ``calls`` timed ones, each after a barrier over the data-parallel group and a
-        device synchronize; rate = the bytes a rank sends in a ring all-gather, ``(num_nodes - 1) x mib`` MiB,
-        x 8 / the slowest rank's median time.  Every rank returns the same number (``inf`` on one node: no link
-        to measure).  Collective over the data-parallel group.
+        device synchronize; rate = the bytes a rank sends in a ring all-gather, ``(num_nodes - 1)`` chunks, x 8 /
+        the slowest rank's median time.  Every rank returns the same number (``inf`` on one node: no link to
+        measure).  Collective over the data-parallel group.
         """
         if calls < 1 or not mib > 0:
             raise ValueError(f"probe_inter_gbps needs calls >= 1 and mib > 0, got calls={calls}, mib={mib}")
         if self.num_nodes == 1:
             return math.inf
         device = torch.device(device)
-        n = max(1, int(mib * (1 << 20)))
+        n = max(1 << 16, int(mib * (1 << 20)) // (self.num_nodes - 1))
         x = torch.arange(n, dtype=torch.int32, device=device).to(torch.uint8)   # (not zeros)
         out = torch.empty(self.num_nodes * n, dtype=torch.uint8, device=device)
         tick = torch.zeros(1, dtype=torch.float32, device=device)

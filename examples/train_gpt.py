@@ -83,6 +83,7 @@ import json  # noqa: E402
 import math  # noqa: E402
 import resource  # noqa: E402
 import tempfile  # noqa: E402
+from typing import Optional  # noqa: E402
 import warnings  # noqa: E402
 
 import torch  # noqa: E402
@@ -273,6 +274,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bool(a.profile_steps) != bool(a.profile_dir):
         p.error("--profile-steps and --profile-dir go together")
     return a
+
+
+def overlap_blocks_left_off(engine, sdp_cfg) -> Optional[str]:
+    """For ``--overlap-blocks``: None where ``engine`` overlaps its weight refresh (switchable); why not where the
+    ds_config left ``weights.overlap`` to the engine (omitted) and it is off (a fast link, a CPU, the node replica,
+    SDP4Bit off): such a run switches nothing.  An engine whose config turned it off, or that has no sdp4bit block
+    at all, is refused (SystemExit)."""
+    st = getattr(engine, "sdp4bit", None)
+    if st is not None and getattr(st, "overlap", False):
+        return None
+    if sdp_cfg.active and sdp_cfg.weights.enabled and sdp_cfg.weights.overlap is None:
+        chosen = getattr(st, "overlap_choice", None) if st is not None else None
+        return (chosen["reason"] if chosen else "SDP4Bit is off for this engine (one node or world size 1)"
+                if st is None else "no weight replica to refresh")
+    raise SystemExit("train_gpt.py: --overlap-blocks switches weights.overlap step by step, but this engine does "
+                     "not overlap its weight refresh (sdp4bit.weights.overlap true with the full replica on a "
+                     "GPU is needed; on a CPU, with the node replica or with SDP4Bit off it never does)")
 
 
 def lr_at(step: int, args: argparse.Namespace) -> float:
@@ -543,16 +561,13 @@ def main(argv=None) -> dict:
               "will carry no communication summary", file=sys.stderr, flush=True)
 
     chosen = getattr(getattr(engine, "sdp4bit", None), "overlap_choice", None)   # weights.overlap omitted
-    if args.overlap_blocks and chosen and not chosen["on"]:
-        # the automatic choice (decided when the engine was built) left it off: nothing to switch; the steps run as
-        # the default runs there, and the log's meta says why (sdp4bit_overlap_choice)
-        notices.append(f"--overlap-blocks: nothing switched, weights.overlap omitted and decided off "
-                       f"({chosen['reason']})")
-        args.overlap_blocks = 0
-    if args.overlap_blocks and not getattr(getattr(engine, "sdp4bit", None), "overlap", False):
-        raise SystemExit("train_gpt.py: --overlap-blocks switches weights.overlap step by step, but this engine does "
-                         "not overlap its weight refresh (sdp4bit.weights.overlap true with the full replica on a "
-                         "GPU is needed; on a CPU, with the node replica or with SDP4Bit off it never does)")
+    if args.overlap_blocks:
+        off = overlap_blocks_left_off(engine, sdp_cfg)
+        if off is not None:
+            # the automatic choice left it off: nothing to switch; the steps run as the default runs there, and the
+            # log's meta says why (sdp4bit_overlap_choice)
+            notices.append(f"--overlap-blocks: nothing switched, weights.overlap omitted and decided off ({off})")
+            args.overlap_blocks = 0
 
     train_s, eval_s, data_desc = build_samplers(
         data_paths=args.data, random_tokens=args.random_tokens, vocab=args.vocab, seq_len=args.seq,

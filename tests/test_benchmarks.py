@@ -1535,6 +1535,21 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(str(suite.TRAIN.parent))
     spec.loader.exec_module(mod)
     assert mod.parse_args(["--ds-config", "c.json", "--overlap-blocks", "5"]).overlap_blocks == 5
+    # what an engine built from the config does with --overlap-blocks: switch (None), switch nothing and say why (the
+    # key omitted: the engine decided, or SDP4Bit is off), or refuse (the config turned it off, or has no SDP4Bit)
+    from types import SimpleNamespace as NS
+    from deepspeed_sdp4bit.config import parse_ds_config
+    stage3 = {"zero_optimization": {"stage": 3}}
+    auto = parse_ds_config(dict(stage3, sdp4bit={}))
+    forced_off = parse_ds_config(dict(stage3, sdp4bit={"weights": {"overlap": False}}))
+    node = NS(sdp4bit=NS(overlap=False, overlap_choice={"on": False, "reason": "the node replica is refreshed inside "
+                                                                            "step()"}))
+    assert mod.overlap_blocks_left_off(NS(sdp4bit=NS(overlap=True)), auto) is None
+    assert mod.overlap_blocks_left_off(node, auto) == "the node replica is refreshed inside step()"
+    assert mod.overlap_blocks_left_off(NS(sdp4bit=None), auto).startswith("SDP4Bit is off for this engine")
+    for engine, cfg in ((node, forced_off), (NS(sdp4bit=None), parse_ds_config({})), (NS(), forced_off)):
+        with pytest.raises(SystemExit, match="this engine does not overlap its weight refresh"):
+            mod.overlap_blocks_left_off(engine, cfg)
     for bad in (["--overlap-blocks", "1"], ["--overlap-blocks", "-2"],
                 ["--overlap-blocks", "4", "--paired-ds-config", "d.json", "--eval-every", "0", "--eval-batches", "0"]):
         with pytest.raises(SystemExit):
@@ -1686,16 +1701,18 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
     auto = report._overlap_auto_goal
     assert auto([]) == (report.NM, report.NM)
     on = {"automatic": True, "gbps": 4.2, "below_gbps": 6.0, "on": True, "reason": "r"}
-    dflt = dict(rule, config="sdp4bit", overlap_choice=on, link_gbps=5.0)
+    rule5 = dict(rule, overlap_ab=dict(rule["overlap_ab"], blocks=5))   # the rule's runs: blocks of 5
+    dflt = dict(rule5, config="sdp4bit", overlap_choice=on, link_gbps=5.0,
+                config_snapshot={"sdp4bit.weights.overlap": None, "sdp4bit.weights.overlap_below_gbps": 6.0})
 
     def cells5(r):
         return [dict(r, row_id=f"a/{m}{t}", model=m, topology=t) for m, t in report.AUTO_RULE_CELLS]
     m, v = auto(cells5(dflt))
     assert v == "met" and m.startswith("6 judged run(s), 0 failing") and "probe 4.20 Gb/s: on" in m
     # the explicit runs count for the ratio, but the 2x1 cells still need a run of the default
-    m, v = auto(cells5(dict(rule, link_gbps=5.0)))
+    m, v = auto(cells5(dict(rule5, link_gbps=5.0)))
     assert v == "not resolved" and "406M 2x1 (a run of the default), 1.3B 2x1 (a run of the default)" in m
-    assert auto(cells5(dict(rule, link_gbps=5.0)) + [dict(dflt, model=x) for x in ("406M", "1.3B")])[1] == "met"
+    assert auto(cells5(dict(rule5, link_gbps=5.0)) + [dict(dflt, model=x) for x in ("406M", "1.3B")])[1] == "met"
     m, v = auto(cells5(dflt)[1:])
     assert v == "not resolved" and m.endswith("not measured at the 5 Gb/s knob: 406M 2x1")
     # left off at the knob: fails, whatever its ratio (it switched nothing)
@@ -1705,12 +1722,24 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
     # a fast link left off: the default as before, not judged; turned on there: judged like the rest
     m, v = auto(cells5(dflt) + [dict(dflt, overlap_choice=off, link_gbps=None, overlap_ab=None)])
     assert v == "met" and "the default as before (not judged)" in m and m.startswith("6 judged")
-    m, v = auto(cells5(dflt) + [dict(close, config="sdp4bit", overlap_choice=on, link_gbps=None)])
+    m, v = auto(cells5(dflt) + [dict(dflt, overlap_ab=dict(close["overlap_ab"], blocks=5), link_gbps=None)])
     assert v == "not met" and "Rule: fails (upper bound above 1.01)" in m
-    assert auto(cells5(dflt)[1:] + [dict(ab(math.log(1.005), 0.0003), config="sdp4bit", overlap_choice=on,
-                                         link_gbps=5.0)])[1] == "not met"   # slower
+    slower = ab(math.log(1.005), 0.0003)
+    assert auto(cells5(dflt)[1:] + [dict(dflt, overlap_ab=dict(slower["overlap_ab"], blocks=5))])[1] == "not met"
     # outside: the default without a recorded choice (before this rule), sdp4bit_overlap off the knob, share-GPU
-    m, v = auto(cells5(dflt) + [dict(dflt, overlap_choice=None), dict(rule, link_gbps=None),
+    m, v = auto(cells5(dflt) + [dict(dflt, overlap_choice=None), dict(rule5, link_gbps=None),
                                 dict(dflt, mode="share-GPU sockets")])
     assert v == "met" and "3 run(s) outside the rule" in m
+    # rule 1 reads every run of the default at the knob, switching or not: left off there fails, on counts for the
+    # probe (a 2x1 cell's run of the default) but judges no ratio
+    plain = {k: v for k, v in dflt.items() if k != "overlap_ab"}
+    m, v = auto(cells5(dflt) + [dict(plain, overlap_choice=off)])
+    assert v == "not met" and "Rule: fails (left off at the 5 Gb/s knob)" in m
+    m, v = auto(cells5(dict(rule5, link_gbps=5.0)) + [dict(plain, model=x, row_id=f"p/{x}") for x in ("406M", "1.3B")])
+    assert v == "met" and m.count("not switched (no ratio)") == 2
+    # outside: another threshold (not the default's), a forced run timed in blocks other than 5
+    other = dict(dflt, config_snapshot={"sdp4bit.weights.overlap": None, "sdp4bit.weights.overlap_below_gbps": 2.0})
+    m, v = auto(cells5(dflt) + [dict(other, overlap_choice=off),
+                                dict(rule, link_gbps=5.0)])   # (rule: blocks of 3)
+    assert v == "met" and "2 run(s) outside the rule" in m
     assert "`weights.overlap` omitted: on where" in report.goals_table(cells5(dflt), [], None)

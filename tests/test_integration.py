@@ -771,14 +771,15 @@ AUTO_CASES = {"slow": ({"weights": {"overlap_below_gbps": 1e6}}, {}),    # any l
               "fast": ({"weights": {"overlap_below_gbps": 1e-6}}, {}),   # and none below 1e-6: off
               "timer": ({"weights": {"overlap_below_gbps": 1e6}}, {"timers": {"throughput": {"synchronized": True}}}),
               "given": ({"weights": {"overlap": False}}, {}),
+              "forced": ({"weights": {"overlap": True}}, {}),
               "cpu": ({}, {}),
               "one": ({"topology": {"gpus_per_node": WORLD}, "quantize_single_node": True}, {})}
-LINK_CASES = ("slow", "fast", "timer", "given")
+LINK_CASES = ("slow", "fast", "timer", "given", "forced")
 
 
 def _check_auto_overlap(runs, streams: bool):
-    slow, fast, timer, given = (runs[0][k] for k in ("slow", "fast", "timer", "given"))
-    for lbl in ("slow", "fast", "timer"):   # one probe each, and every rank measured the same rate
+    slow, fast, timer, given, forced = (runs[0][k] for k in ("slow", "fast", "timer", "given", "forced"))
+    for lbl in ("slow", "fast"):   # one probe each, and every rank measured the same rate
         assert all(x[lbl]["probes"] == 1 and x[lbl]["choice"]["automatic"] is True for x in runs)
         assert 0 < runs[0][lbl]["choice"]["gbps"] < 1e6
         assert len({x[lbl]["choice"]["gbps"] for x in runs}) == 1, [x[lbl]["choice"] for x in runs]
@@ -787,12 +788,14 @@ def _check_auto_overlap(runs, streams: bool):
     assert slow["tput_synchronized"] is False and slow["streamed"] is streams and slow["overlap"] is streams
     assert fast["choice"]["on"] is False and "not below weights.overlap_below_gbps=1e-06" in fast["choice"]["reason"]
     assert fast["tput_synchronized"] is True and not fast["streamed"] and fast["overlap"] is False
-    # a synchronized timer the user asked for keeps the overlap off (not an error: nothing was asked of it)
+    # a synchronized timer the user asked for keeps the overlap off (not an error: nothing was asked of it), unprobed
     assert timer["choice"]["on"] is False and "sets timers.throughput.synchronized=true" in timer["choice"]["reason"]
-    assert timer["tput_synchronized"] is True and not timer["streamed"]
+    assert timer["tput_synchronized"] is True and not timer["streamed"] and all(x["timer"]["probes"] == 0 for x in runs)
     # a given value is taken as it is: no probe, no choice recorded
     assert given["probes"] == 0 and given["choice"] is None and not given["streamed"]
-    for lbl in ("fast", "timer", "given"):   # the same math whichever way it went
+    assert all(x["forced"]["probes"] == 0 for x in runs) and forced["choice"] is None
+    assert forced["streamed"] is streams and forced["tput_synchronized"] is False   # (the plan's, for a forced true)
+    for lbl in ("fast", "timer", "given", "forced"):   # the same math whichever way it went
         assert runs[0][lbl]["losses"] == slow["losses"], lbl
 
 

@@ -80,6 +80,8 @@ def test_link_probe_times_the_inter_node_groups_and_every_rank_reads_the_same():
     assert len({g for g, _ in res}) == 1 and 0 < res[0][0] < float("inf")
     for _, sent in res:   # one untimed call and two timed ones, 0.25 MiB each over a group of the 2 nodes
         assert sent == [(1 << 18, 2)] * 3
+    four = run_distributed(_probe_worker, 4, args=(1,))   # 4 nodes: each rank still sends 0.25 MiB a call
+    assert len({g for g, _ in four}) == 1 and all(sent == [((1 << 18) // 3, 4)] * 3 for _, sent in four)
     one = run_distributed(_probe_worker, 4, args=(4,))   # one node: no link to probe, nothing sent
     assert all(g == float("inf") and sent == [] for g, sent in one)
     with pytest.raises(ValueError, match="calls >= 1 and mib > 0"):
