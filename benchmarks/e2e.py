@@ -609,8 +609,8 @@ def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: i
         out["overlap_choice"] = chosen
     blocks = (meta.get("args") or {}).get("overlap_blocks")
     if asked_blocks and not blocks:   # (train_gpt.py switched nothing: the automatic choice left it off)
-        out.update(overlap_ab=None, overlap_ab_error="nothing switched: weights.overlap omitted and decided off ("
-                   + str((chosen or {}).get("reason", "no choice recorded")) + ")")
+        why = meta.get("overlap_blocks_left_off") or (chosen or {}).get("reason") or "no reason recorded"
+        out.update(overlap_ab=None, overlap_ab_error=f"nothing switched: weights.overlap omitted and decided off ({why})")
     if blocks:
         try:
             out["overlap_ab"] = overlap_ab_stats(timed, blocks)
@@ -636,10 +636,11 @@ def overlap_blocks_error(args: argparse.Namespace, variants: List[suite.Variant]
     for v in variants:   # each config's own warm-up and timed steps (the --slow configs': --*-slow)
         cfg = suite.apply_ds_set(v.load(), suite.ds_sets_of(args.train_arg))
         sdp = cfg.get("sdp4bit")
-        if (not isinstance(sdp, dict) or sdp.get("enabled") is False
-                or (sdp.get("weights") or {}).get("overlap", None) not in (True, None)):
+        weights = (sdp.get("weights") or {}) if isinstance(sdp, dict) else {}
+        if (not isinstance(sdp, dict) or sdp.get("enabled") is False or weights.get("enabled") is False
+                or weights.get("overlap", None) not in (True, None)):
             what = ("runs without SDP4Bit" if not isinstance(sdp, dict) or sdp.get("enabled") is False
-                    else "turns off")
+                    else "runs without the weight replica" if weights.get("enabled") is False else "turns off")
             return (f"--overlap-blocks switches weights.overlap, which {v.label} {what} (sdp4bit_overlap turns it "
                     f"on; with the key omitted the engine decides, and a run it left off switches nothing)")
         slow = v.config in args.slow

@@ -1195,19 +1195,21 @@ def _overlap_run_verdict(r: dict) -> Tuple[str, str]:
 
 def _auto_default(r: dict) -> bool:
     """A run of the default's automatic overlap: :data:`AUTO_RULE_CONFIG` with ``weights.overlap`` omitted and the
-    threshold of the rule (its config snapshot), its engine's choice recorded."""
+    threshold of the rule (its config snapshot), its engine's choice recorded, the full replica on several nodes (the
+    node replica never overlaps: not the rule's)."""
     snap = r.get("config_snapshot") or {}
     return (r.get("config") == AUTO_RULE_CONFIG and r.get("overlap_choice") is not None
+            and r.get("replica") == "full" and not _overlap_cannot_apply(r)
             and snap.get("sdp4bit.weights.overlap", "absent") is None
             and snap.get("sdp4bit.weights.overlap_below_gbps") == AUTO_RULE_THRESHOLD)
 
 
 def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
     """The rule for ``weights.overlap`` omitted (decided by the engine's probe of the link between nodes), set before
-    the runs that judge it (findings.md, "overlap", twenty-third session), over runs on logical nodes of a host
-    without a delay: (1) every run of the default (:func:`_auto_default`) at the :data:`AUTO_RULE_KNOB` Gb/s knob,
-    switching or not, has the overlap turned on; (2) every run in which it was on and switched (``e2e
-    --overlap-blocks 5``, timed on the current stream: the default's where the probe turned it on, any knob, and
+    the runs that judge it (findings.md, "overlap", twenty-third session), over runs on logical nodes of a host:
+    (1) every run of the default (:func:`_auto_default`) at the :data:`AUTO_RULE_KNOB` Gb/s knob, switching or
+    not, has the overlap turned on; (2) every run in which it was on and switched (``e2e --overlap-blocks 5``, timed
+    on the current stream, without a delay: the default's where the probe turned it on, any knob, and
     :data:`OVERLAP_RULE_CONFIG`'s at the knob) passes :func:`_overlap_run_verdict`; (3) every cell of
     :data:`AUTO_RULE_CELLS` at the knob has a judged ratio, those of :data:`AUTO_RULE_DEFAULT_RUN` a run of the
     default.  Each run judged alone."""
@@ -1215,12 +1217,13 @@ def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
     for r in _ok(tp_rows, paired=True) + overlap_ab_rows(tp_rows):   # (ok: rows that did not switch)
         knob = link.label(r.get("link_gbps"))
         cell = (str(r["model"]), str(r["topology"]))
-        nodes = str(r.get("mode", "")).endswith("nodes") and not r.get("link_delay_us")
+        nodes = str(r.get("mode", "")).endswith("nodes")
         st = r.get("overlap_ab")
-        switched = "overlap_ab" in r and step_sync(r) == "stream" and (st is None or st.get("blocks") == 5)
+        switched = ("overlap_ab" in r and step_sync(r) == "stream" and (st is None or st.get("blocks") == 5)
+                    and not r.get("link_delay_us"))
         auto = _auto_default(r)
         explicit = r.get("config") == OVERLAP_RULE_CONFIG and knob == AUTO_RULE_KNOB and switched
-        if not nodes or not (auto and ("overlap_ab" not in r or switched) or explicit):
+        if not nodes or not (auto and (knob == AUTO_RULE_KNOB or switched) or explicit):
             outside += "overlap_ab" in r   # (runs that switched nothing and are not the default's: not counted)
             continue
         choice = r["overlap_choice"] if auto else None
@@ -1240,8 +1243,9 @@ def _overlap_auto_goal(tp_rows: Sequence[dict]) -> Tuple[str, str]:
                 if switched:
                     parts.append(f"{name}: the default as before (not judged)")
                 continue
-            if not switched:   # on, at the knob (rule 1 holds), with no ratio to judge
-                parts.append(f"{name}: not switched (no ratio)")
+            if not switched:   # on, at the knob (rule 1 holds), with no ratio the rule reads
+                parts.append(f"{name}: no ratio of the rule (not switched in blocks of 5 on the current stream "
+                             f"without a delay)")
                 continue
         verdict, text = _overlap_run_verdict(r)
         if knob == AUTO_RULE_KNOB and verdict != "not resolved":

@@ -762,7 +762,7 @@ class _Replica:
             self._runs_of.setdefault(r[1], []).append(i)
         self.n_stages = 1 + max((r[0] for r in self.runs), default=0)
         self._dirty: set = set()
-        dev = self.flat[0].device if self.flat and self.flat[0] is not None else None
+        dev = next((b.device for b in self.flat if b is not None), None)
         self._stream = None
         overlap = self.level == "full" and overlap and dev is not None
         if overlap and dev.type != "cuda":
@@ -1267,7 +1267,8 @@ def choose_overlap(engine, state: "SDP4BitState", device) -> bool:
     ``state.overlap_choice`` and one log line.  Turning it on sets DeepSpeed's throughput timer unsynchronized
     (it would wait for the whole device, the refresh in flight included, at every step's end), unless the
     ds_config sets ``timers.throughput.synchronized`` itself: then the overlap stays off (a true there is the
-    user's; an explicit ``weights.overlap: true`` is refused with it, in :func:`plan_run`)."""
+    user's; an explicit ``weights.overlap: true`` is refused with it, in :func:`plan_run`); an explicit ``false``
+    there is taken as it is.  With the node replica it is off (recorded, not logged: it never overlaps)."""
     w = state.cfg.weights
     if w.overlap is not None:
         return w.overlap and state.level == "full"

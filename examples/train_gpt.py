@@ -286,8 +286,13 @@ def overlap_blocks_left_off(engine, sdp_cfg) -> Optional[str]:
         return None
     if sdp_cfg.active and sdp_cfg.weights.enabled and sdp_cfg.weights.overlap is None:
         chosen = getattr(st, "overlap_choice", None) if st is not None else None
-        return (chosen["reason"] if chosen else "SDP4Bit is off for this engine (one node or world size 1)"
-                if st is None else "no weight replica to refresh")
+        if chosen:
+            return chosen["reason"]
+        if st is None:   # SDP4Bit off for this engine: its summary says why
+            summary = getattr(engine, "sdp4bit_summary", None)
+            why = (summary() if callable(summary) else {}).get("reason")
+            return f"SDP4Bit is off for this engine ({why or 'no reason recorded'})"
+        return "no weight replica to refresh"
     raise SystemExit("train_gpt.py: --overlap-blocks switches weights.overlap step by step, but this engine does "
                      "not overlap its weight refresh (sdp4bit.weights.overlap true with the full replica on a "
                      "GPU is needed; on a CPU, with the node replica or with SDP4Bit off it never does)")
@@ -561,8 +566,10 @@ def main(argv=None) -> dict:
               "will carry no communication summary", file=sys.stderr, flush=True)
 
     chosen = getattr(getattr(engine, "sdp4bit", None), "overlap_choice", None)   # weights.overlap omitted
+    overlap_left_off = None   # --overlap-blocks that switched nothing: why
     if args.overlap_blocks:
         off = overlap_blocks_left_off(engine, sdp_cfg)
+        overlap_left_off = off
         if off is not None:
             # the automatic choice left it off: nothing to switch; the steps run as the default runs there, and the
             # log's meta says why (sdp4bit_overlap_choice)
@@ -602,7 +609,7 @@ def main(argv=None) -> dict:
         "sdp4bit_config": sdp_cfg.model_dump() if sdp_cfg.active else None,
         "sdp4bit_summary_source": summary_source, "sdp4bit_evidence": evidence,
         "sdp4bit_replica": getattr(getattr(engine, "sdp4bit", None), "level", None),
-        "sdp4bit_overlap_choice": chosen,
+        "sdp4bit_overlap_choice": chosen, "overlap_blocks_left_off": overlap_left_off,
         "peak_mem_kind": "cpu_maxrss_bytes" if ON_CPU else "cuda_max_allocated_bytes",
         "versions": {"torch": torch.__version__, "deepspeed": deepspeed.__version__,
                      "deepspeed_sdp4bit": getattr(deepspeed_sdp4bit, "__version__", None),

@@ -1546,7 +1546,8 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
                                                                             "step()"}))
     assert mod.overlap_blocks_left_off(NS(sdp4bit=NS(overlap=True)), auto) is None
     assert mod.overlap_blocks_left_off(node, auto) == "the node replica is refreshed inside step()"
-    assert mod.overlap_blocks_left_off(NS(sdp4bit=None), auto).startswith("SDP4Bit is off for this engine")
+    off_engine = NS(sdp4bit=None, sdp4bit_summary=lambda: {"active": False, "reason": "world size 1: nothing"})
+    assert mod.overlap_blocks_left_off(off_engine, auto) == "SDP4Bit is off for this engine (world size 1: nothing)"
     for engine, cfg in ((node, forced_off), (NS(sdp4bit=None), parse_ds_config({})), (NS(), forced_off)):
         with pytest.raises(SystemExit, match="this engine does not overlap its weight refresh"):
             mod.overlap_blocks_left_off(engine, cfg)
@@ -1564,6 +1565,7 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
     # a config that turns it off (or a --ds-set that does), or has no SDP4Bit, is refused before anything runs
     assert e2e.overlap_blocks_error(ns, [suite.Variant.parse("sdp4bit")]) is None
     assert "zero3 runs without SDP4Bit" in e2e.overlap_blocks_error(ns, [z3])
+    assert "tlq_hs runs without the weight replica" in e2e.overlap_blocks_error(ns, [suite.Variant.parse("tlq_hs")])
     assert "sdp4bit_no_overlap turns off" in e2e.overlap_blocks_error(ns, [suite.Variant.parse("sdp4bit_no_overlap")])
     off = ["--ds-set", "sdp4bit.weights.overlap=false"]
     assert "sdp4bit_overlap turns off" in e2e.overlap_blocks_error(argparse.Namespace(**dict(vars(ns), train_arg=off)),
@@ -1736,7 +1738,15 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
     m, v = auto(cells5(dflt) + [dict(plain, overlap_choice=off)])
     assert v == "not met" and "Rule: fails (left off at the 5 Gb/s knob)" in m
     m, v = auto(cells5(dict(rule5, link_gbps=5.0)) + [dict(plain, model=x, row_id=f"p/{x}") for x in ("406M", "1.3B")])
-    assert v == "met" and m.count("not switched (no ratio)") == 2
+    assert v == "met" and m.count("no ratio of the rule (not switched in blocks of 5") == 2
+    # rule 1 whatever the blocks: the default left off at the knob in blocks of 3 fails too
+    m, v = auto(cells5(dflt) + [dict(dflt, overlap_choice=off, overlap_ab=dict(rule["overlap_ab"], blocks=3))])
+    assert v == "not met" and "Rule: fails (left off at the 5 Gb/s knob)" in m
+    # the node replica (a "sdp4bit:node" variant, or chosen for a large model) never overlaps: not the rule's
+    node = dict(off, gbps=None, reason="the node replica is refreshed inside step()")
+    m, v = auto(cells5(dflt) + [dict(plain, replica="node", overlap_choice=node),
+                                dict(dflt, replica="node", overlap_choice=node, overlap_ab=None)])
+    assert v == "met" and "1 run(s) outside the rule" in m
     # outside: another threshold (not the default's), a forced run timed in blocks other than 5
     other = dict(dflt, config_snapshot={"sdp4bit.weights.overlap": None, "sdp4bit.weights.overlap_below_gbps": 2.0})
     m, v = auto(cells5(dflt) + [dict(other, overlap_choice=off),

@@ -773,6 +773,8 @@ AUTO_CASES = {"slow": ({"weights": {"overlap_below_gbps": 1e6}}, {}),    # any l
               "given": ({"weights": {"overlap": False}}, {}),
               "forced": ({"weights": {"overlap": True}}, {}),
               "cpu": ({}, {}),
+              "node": ({"weights": {"replica": "node"}}, {}),                       # never overlaps: no probe
+              "node_forced": ({"weights": {"replica": "node", "overlap": True}}, {}),
               "one": ({"topology": {"gpus_per_node": WORLD}, "quantize_single_node": True}, {})}
 LINK_CASES = ("slow", "fast", "timer", "given", "forced")
 
@@ -810,6 +812,13 @@ def test_automatic_overlap_is_off_without_a_side_stream_and_on_one_node():
         r = x["cpu"]
         assert r["probes"] == 0 and r["choice"]["on"] is False and r["choice"]["gbps"] is None
         assert "no side stream on cpu" in r["choice"]["reason"] and r["tput_synchronized"] is True
+    for x in family(_auto_overlap_worker, ("node", "node_forced"), True):
+        # the node replica (even with a side stream possible, as patched here): off, unprobed, its choice recorded
+        node, forced = x["node"], x["node_forced"]
+        assert node["probes"] == 0 and node["choice"] == {"automatic": True, "gbps": None, "below_gbps": 6.0,
+                                                          "on": False, "reason": "the node replica is refreshed "
+                                                                                 "inside step()"}
+        assert forced["probes"] == 0 and forced["choice"] is None and not forced["streamed"] and not forced["overlap"]
     one = family(_auto_overlap_worker, ("one",), True)
     for x in one:
         r = x["one"]
