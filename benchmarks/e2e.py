@@ -610,7 +610,8 @@ def _summarize(log_json: Path, warmup: int, v: suite.Variant, world: int, gpn: i
     blocks = (meta.get("args") or {}).get("overlap_blocks")
     if asked_blocks and not blocks:   # (train_gpt.py switched nothing: the automatic choice left it off)
         why = meta.get("overlap_blocks_left_off") or (chosen or {}).get("reason") or "no reason recorded"
-        out.update(overlap_ab=None, overlap_ab_error=f"nothing switched: weights.overlap omitted and decided off ({why})")
+        out.update(overlap_ab=None,
+                   overlap_ab_error=f"nothing switched: weights.overlap omitted and decided off ({why})")
     if blocks:
         try:
             out["overlap_ab"] = overlap_ab_stats(timed, blocks)
