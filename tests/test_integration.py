@@ -734,17 +734,15 @@ def test_overlap_switch_refuses_what_is_not_a_bool_or_not_built_to_overlap():
     assert waits == [1] and SDP4BitState.overlap.fget(st) is True
 
 
-def _auto_overlap_worker(rank, world, cases, possible):
-    """``weights.overlap`` omitted: per case (a label of :data:`AUTO_CASES`: sdp4bit keys, top-level ds_config keys)
-    the engine's
-    automatic choice, its probes of the link and DeepSpeed's throughput timer after it.  ``possible`` (CPU): what
-    ``integration._overlap_possible`` answers, so gloo runs the probe and the decision (the refresh then runs
-    inside step(): no side stream there)."""
+def _auto_overlap_worker(rank, world, cases, patch):
+    """``weights.overlap`` omitted: per case (a label of :data:`AUTO_CASES`: sdp4bit keys, top-level ds_config keys,
+    what ``integration._overlap_possible`` answers with ``patch``) the engine's automatic choice, its probes of the
+    link and DeepSpeed's throughput timer after it.  ``patch`` (CPU): a case's True makes gloo run the probe and the
+    decision (the refresh then runs inside step(): no side stream there); None keeps the device's own answer."""
     du = _setup()
     import deepspeed_sdp4bit.integration as integ
 
-    if possible is not None:
-        integ._overlap_possible = lambda device: possible
+    real = integ._overlap_possible
     probes, orig = [], integ.Topology.probe_inter_gbps
 
     def counted(self, *a, **k):
@@ -753,7 +751,8 @@ def _auto_overlap_worker(rank, world, cases, possible):
     integ.Topology.probe_inter_gbps = counted
     res = {}
     for label in cases:
-        extra, top = AUTO_CASES[label]
+        extra, top, possible = AUTO_CASES[label]
+        integ._overlap_possible = (lambda device: possible) if patch and possible is not None else real
         probes.clear()
         extra = dict(extra, weights={**PIECES, **extra.get("weights", {})})
         e = du.make_engine(du.base_config(sdp4bit=block(None, replica="full", **extra), **top))
@@ -767,16 +766,18 @@ def _auto_overlap_worker(rank, world, cases, possible):
     return res
 
 
-AUTO_CASES = {"slow": ({"weights": {"overlap_below_gbps": 1e6}}, {}),    # any link measures below 1e6 Gb/s: on
-              "fast": ({"weights": {"overlap_below_gbps": 1e-6}}, {}),   # and none below 1e-6: off
-              "timer": ({"weights": {"overlap_below_gbps": 1e6}}, {"timers": {"throughput": {"synchronized": True}}}),
-              "given": ({"weights": {"overlap": False}}, {}),
-              "forced": ({"weights": {"overlap": True}}, {}),
-              "cpu": ({}, {}),
-              "node": ({"weights": {"replica": "node"}}, {}),                       # never overlaps: no probe
-              "node_forced": ({"weights": {"replica": "node", "overlap": True}}, {}),
-              "one": ({"topology": {"gpus_per_node": WORLD}, "quantize_single_node": True}, {})}
+AUTO_CASES = {"slow": ({"weights": {"overlap_below_gbps": 1e6}}, {}, True),    # any link reads below 1e6 Gb/s: on
+              "fast": ({"weights": {"overlap_below_gbps": 1e-6}}, {}, True),   # and none below 1e-6: off
+              "timer": ({"weights": {"overlap_below_gbps": 1e6}}, {"timers": {"throughput": {"synchronized": True}}},
+                        True),
+              "given": ({"weights": {"overlap": False}}, {}, True),
+              "forced": ({"weights": {"overlap": True}}, {}, True),
+              "cpu": ({}, {}, None),                                           # the device's own answer
+              "node": ({"weights": {"replica": "node"}}, {}, True),            # never overlaps: no probe
+              "node_forced": ({"weights": {"replica": "node", "overlap": True}}, {}, True),
+              "one": ({"topology": {"gpus_per_node": WORLD}, "quantize_single_node": True}, {}, True)}
 LINK_CASES = ("slow", "fast", "timer", "given", "forced")
+CPU_CASES = LINK_CASES + ("cpu", "node", "node_forced", "one")   # (one family: one start of 4 processes)
 
 
 def _check_auto_overlap(runs, streams: bool):
@@ -802,32 +803,31 @@ def _check_auto_overlap(runs, streams: bool):
 
 
 def test_automatic_overlap_probes_the_link_and_decides_on_every_rank_alike():
-    runs = family(_auto_overlap_worker, LINK_CASES, True)
+    runs = family(_auto_overlap_worker, CPU_CASES, True)
     _check_auto_overlap(runs, streams=False)   # (gloo: the decision is taken, the refresh stays inside step())
 
 
 def test_automatic_overlap_is_off_without_a_side_stream_and_on_one_node():
-    runs = family(_auto_overlap_worker, ("cpu",), None)
+    runs = family(_auto_overlap_worker, CPU_CASES, True)
     for x in runs:   # CPU: nothing to overlap, so nothing probed
         r = x["cpu"]
         assert r["probes"] == 0 and r["choice"]["on"] is False and r["choice"]["gbps"] is None
         assert "no side stream on cpu" in r["choice"]["reason"] and r["tput_synchronized"] is True
-    for x in family(_auto_overlap_worker, ("node", "node_forced"), True):
+    for x in runs:
         # the node replica (even with a side stream possible, as patched here): off, unprobed, its choice recorded
         node, forced = x["node"], x["node_forced"]
         assert node["probes"] == 0 and node["choice"] == {"automatic": True, "gbps": None, "below_gbps": 6.0,
                                                           "on": False, "reason": "the node replica is refreshed "
                                                                                  "inside step()"}
         assert forced["probes"] == 0 and forced["choice"] is None and not forced["streamed"] and not forced["overlap"]
-    one = family(_auto_overlap_worker, ("one",), True)
-    for x in one:
+    for x in runs:
         r = x["one"]
         assert r["probes"] == 0 and r["choice"]["on"] is False and "one node" in r["choice"]["reason"]
 
 
 def test_automatic_overlap_on_cuda():
     env = _cuda_share_gpu()
-    runs = run_distributed(_auto_overlap_worker, WORLD, args=(LINK_CASES, None), local_world_size=1, env=env,
+    runs = run_distributed(_auto_overlap_worker, WORLD, args=(LINK_CASES, False), local_world_size=1, env=env,
                            backend="nccl")
     _check_auto_overlap(runs, streams=True)
 
