@@ -332,15 +332,21 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
     return RunPlan(ds, cfg, None, notes)
 
 
+def _throughput_timer_block(ds: Dict[str, Any]) -> Dict[str, Any]:
+    """The ds_config's own ``timers.throughput`` block as the user wrote it ({} where absent or not a dict): what
+    the user set there (e.g. ``synchronized``) is theirs, what is absent is DeepSpeed's default."""
+    timers = ds.get("timers")
+    tp = timers.get("throughput") if isinstance(timers, dict) else None
+    return tp if isinstance(tp, dict) else {}
+
+
 def _unsynchronize_throughput_timer(ds: Dict[str, Any], notes: List[str]) -> None:
     """``weights.overlap``: DeepSpeed's throughput timer (``timers.throughput``, on and synchronized by default)
     synchronizes the whole device when ``step()`` ends and when a forward starts, which would wait for the
     refresh left in flight on its side stream every step; set it unsynchronized (CPU clock) where the key is
     omitted, refuse an explicit ``true``."""
     from deepspeed.utils.config import DeepSpeedThroughputTimerConfig   # (how DeepSpeed reads the block)
-    timers = ds.get("timers")
-    tp = timers.get("throughput") if isinstance(timers, dict) else None
-    tp = tp if isinstance(tp, dict) else {}
+    timers, tp = ds.get("timers"), _throughput_timer_block(ds)
     try:
         read = DeepSpeedThroughputTimerConfig(**tp)
     except Exception:   # DeepSpeed refuses the block itself, naming it, when the engine reads it
@@ -1274,19 +1280,18 @@ def choose_overlap(engine, state: "SDP4BitState", device) -> bool:
         return w.overlap and state.level == "full"
     thr = w.overlap_below_gbps
     gbps, on = None, False
-    timer = getattr(getattr(engine, "tput_timer", None), "config", None)
-    synced = bool(timer is not None and timer.enabled and timer.synchronized)
-    given = ((getattr(getattr(engine, "_config", None), "_param_dict", None) or {}).get("timers") or {})
-    given = given.get("throughput") if isinstance(given, dict) else None
     if state.level != "full":
         state.overlap_choice = {"automatic": True, "gbps": None, "below_gbps": thr, "on": False,
                                 "reason": f"the {state.level} replica is refreshed inside step()"}
         return False   # (nothing to say: the node replica never overlaps)
+    timer = getattr(getattr(engine, "tput_timer", None), "config", None)
+    synced = bool(timer is not None and timer.enabled and timer.synchronized)
+    given = _throughput_timer_block(getattr(getattr(engine, "_config", None), "_param_dict", None) or {})
     if not _overlap_possible(device):
         why = f"no side stream on {device.type}: the refresh runs inside step()"
     elif state.topology.num_nodes == 1:
         why = "one node: no link between nodes"
-    elif synced and isinstance(given, dict) and "synchronized" in given:
+    elif synced and "synchronized" in given:
         why = ("the ds_config sets timers.throughput.synchronized=true, which waits for the whole device at every "
                "step's end (the link not probed)")
     else:

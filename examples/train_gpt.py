@@ -566,15 +566,13 @@ def main(argv=None) -> dict:
               "will carry no communication summary", file=sys.stderr, flush=True)
 
     chosen = getattr(getattr(engine, "sdp4bit", None), "overlap_choice", None)   # weights.overlap omitted
-    overlap_left_off = None   # --overlap-blocks that switched nothing: why
-    if args.overlap_blocks:
-        off = overlap_blocks_left_off(engine, sdp_cfg)
-        overlap_left_off = off
-        if off is not None:
-            # the automatic choice left it off: nothing to switch; the steps run as the default runs there, and the
-            # log's meta says why (sdp4bit_overlap_choice)
-            notices.append(f"--overlap-blocks: nothing switched, weights.overlap omitted and decided off ({off})")
-            args.overlap_blocks = 0
+    # --overlap-blocks that switched nothing: why (the automatic choice left it off; the steps run as the default
+    # runs there, and the log's meta says why: sdp4bit_overlap_choice)
+    overlap_left_off = overlap_blocks_left_off(engine, sdp_cfg) if args.overlap_blocks else None
+    if overlap_left_off is not None:
+        notices.append("--overlap-blocks: nothing switched, weights.overlap omitted and decided off "
+                       f"({overlap_left_off})")
+        args.overlap_blocks = 0
 
     train_s, eval_s, data_desc = build_samplers(
         data_paths=args.data, random_tokens=args.random_tokens, vocab=args.vocab, seq_len=args.seq,

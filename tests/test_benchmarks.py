@@ -547,7 +547,7 @@ def test_accuracy_run_split_over_calls_goes_on_where_it_stopped(tmp_path):
     finished row's losses are those of the run done in one go (the schedule is that of --steps throughout).
     --stop-margin stops by the clock instead: a margin as long as the run's timeout puts its stop time at its
     start, so it stops after its first step (on the last step: it finishes).  A finished run is not run again."""
-    common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x2", "--configs", "sdp4bit",
+    common = ["accuracy", "--cpu", "--model", "tiny", "--topologies", "2x1", "--configs", "sdp4bit",
               "--seeds", "2", "--schedules", "cosine", "--steps", "6", "--seq", "64", "--micro-batch", "2",
               "--lr", "3e-3", "--eval-batches", "2"]
     whole, split, ckpt = tmp_path / "whole", tmp_path / "split", tmp_path / "ckpt"
