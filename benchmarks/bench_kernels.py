@@ -478,7 +478,10 @@ def bench_segments(args) -> Dict[str, object]:
 
 # ----------------------------------------------------------------------------------------------------------
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="python -m benchmarks kernels --chunk-counts ...: the gradient pipeline's "
+                                        "chunk-count sweep instead (benchmarks/bench_chunk_counts.py; its own "
+                                        "options, --chunk-counts --help)")
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--sizes-mb", default="8,32,128,512,2048", help="input sizes in MiB, comma separated")
     ap.add_argument("--backends", default="cuda,triton")

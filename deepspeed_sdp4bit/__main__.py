@@ -266,7 +266,10 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
                          f"all-gather over {g}; no gathers in forward/backward")
             if N > 1:
                 lines.append("weights.overlap: " + (
-                    f"decided when the engine is built: on where the link between nodes measures below "
+                    "off: the ds_config sets timers.throughput.synchronized=true, which waits for the whole device "
+                    "at every step's end (the link not probed; remove that key to let the engine decide)"
+                    if w.overlap is None and integration.user_synchronized_timer(ds_config)
+                    else f"decided when the engine is built: on where the link between nodes measures below "
                     f"{w.overlap_below_gbps:g} Gb/s per rank (weights.overlap_below_gbps), on a GPU; logged"
                     if w.overlap is None else f"{'on' if w.overlap else 'off'} (given)"
                     + " on a GPU; the refresh runs inside step() on a CPU" * bool(w.overlap)))
@@ -275,6 +278,8 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
                          f"each step: {what}; inter-node all-gather among the {N} ranks of each local index, "
                          f"intra-node all-to-all to the rank keeping each part; forward/backward gathers bf16 "
                          f"inside the node")
+            lines.append("weights.overlap: off (the node replica is refreshed inside step(); only the full "
+                         "replica overlaps its refresh)")
         else:
             lines.append("weights: one node, so each rank's own partition is its node replica: nothing is sent "
                          "at the refresh; forward/backward gathers as ZeRO-3's, inside the node")

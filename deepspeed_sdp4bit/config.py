@@ -397,13 +397,24 @@ def parse_block(block: Optional[Dict[str, Any]]) -> SDP4BitConfig:
         return block
     if not isinstance(block, dict):
         raise SDP4BitConfigError(f"the {BLOCK_KEY!r} block must be a JSON object, got {type(block).__name__}")
-    problems = _raw_problems(block, SDP4BitConfig, "")
-    if problems:
-        raise SDP4BitConfigError("invalid sdp4bit config:\n" + "\n".join(f"  {BLOCK_KEY}.{p}" for p in problems))
+    problems = [f"  {BLOCK_KEY}.{p}" for p in _raw_problems(block, SDP4BitConfig, "")]
     try:
-        return SDP4BitConfig.model_validate(block)
+        parsed, error = SDP4BitConfig.model_validate(block), None
     except ValidationError as e:
-        raise SDP4BitConfigError(_format_error(e)) from None
+        parsed, error = None, _format_error(e)
+    except Exception:   # noqa: BLE001 - a validator tripped by a value the raw check already names
+        if not problems:
+            raise
+        parsed, error = None, None
+    if problems:
+        # every problem in one message: the model's own (unknown keys with a did-you-mean, ranges) where the raw
+        # check did not already name that key
+        named = {p.split(":", 1)[0] for p in problems}
+        more = [x for x in (error or "").splitlines()[1:] if x.split(":", 1)[0] not in named]
+        raise SDP4BitConfigError("invalid sdp4bit config:\n" + "\n".join(problems + more))
+    if error is not None:
+        raise SDP4BitConfigError(error)
+    return parsed
 
 
 def _normalize(key: str) -> str:

@@ -332,12 +332,27 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
     return RunPlan(ds, cfg, None, notes)
 
 
-def _throughput_timer_block(ds: Dict[str, Any]) -> Dict[str, Any]:
+def throughput_timer_block(ds: Dict[str, Any]) -> Dict[str, Any]:
     """The ds_config's own ``timers.throughput`` block as the user wrote it ({} where absent or not a dict): what
     the user set there (e.g. ``synchronized``) is theirs, what is absent is DeepSpeed's default."""
     timers = ds.get("timers")
     tp = timers.get("throughput") if isinstance(timers, dict) else None
     return tp if isinstance(tp, dict) else {}
+
+
+def user_synchronized_timer(ds: Dict[str, Any]) -> bool:
+    """Whether the ds_config itself asks DeepSpeed's throughput timer to synchronize the device (its
+    ``timers.throughput.synchronized`` given and true, the timer enabled), as DeepSpeed reads the block: that
+    waits for the whole device at every step's end, so the weight refresh cannot overlap (refused with
+    ``weights.overlap: true``; the automatic choice stays off, unprobed).  False where DeepSpeed would refuse the
+    block itself (it says so when the engine reads it)."""
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig   # (how DeepSpeed reads the block)
+    tp = throughput_timer_block(ds)
+    try:
+        read = DeepSpeedThroughputTimerConfig(**tp)
+    except Exception:
+        return False
+    return bool(read.enabled and "synchronized" in tp and read.synchronized)
 
 
 def _unsynchronize_throughput_timer(ds: Dict[str, Any], notes: List[str]) -> None:
@@ -346,14 +361,14 @@ def _unsynchronize_throughput_timer(ds: Dict[str, Any], notes: List[str]) -> Non
     refresh left in flight on its side stream every step; set it unsynchronized (CPU clock) where the key is
     omitted, refuse an explicit ``true``."""
     from deepspeed.utils.config import DeepSpeedThroughputTimerConfig   # (how DeepSpeed reads the block)
-    timers, tp = ds.get("timers"), _throughput_timer_block(ds)
+    timers, tp = ds.get("timers"), throughput_timer_block(ds)
     try:
         read = DeepSpeedThroughputTimerConfig(**tp)
     except Exception:   # DeepSpeed refuses the block itself, naming it, when the engine reads it
         return
     if not read.enabled:
         return
-    if "synchronized" in tp and read.synchronized:
+    if user_synchronized_timer(ds):
         raise SDP4BitConfigError(
             "sdp4bit.weights.overlap leaves the weight refresh in flight when step() returns, but "
             f"timers.throughput.synchronized={json.dumps(tp['synchronized'])} makes DeepSpeed wait for the whole "
@@ -1286,12 +1301,11 @@ def choose_overlap(engine, state: "SDP4BitState", device) -> bool:
         return False   # (nothing to say: the node replica never overlaps)
     timer = getattr(getattr(engine, "tput_timer", None), "config", None)
     synced = bool(timer is not None and timer.enabled and timer.synchronized)
-    given = _throughput_timer_block(getattr(getattr(engine, "_config", None), "_param_dict", None) or {})
     if not _overlap_possible(device):
         why = f"no side stream on {device.type}: the refresh runs inside step()"
     elif state.topology.num_nodes == 1:
         why = "one node: no link between nodes"
-    elif synced and "synchronized" in given:
+    elif synced and user_synchronized_timer(getattr(getattr(engine, "_config", None), "_param_dict", None) or {}):
         why = ("the ds_config sets timers.throughput.synchronized=true, which waits for the whole device at every "
                "step's end (the link not probed)")
     else:

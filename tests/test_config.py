@@ -257,3 +257,24 @@ def test_a_value_outside_the_allowed_ones_says_what_was_given(block, line):
     with pytest.raises(SDP4BitConfigError) as e:
         parse_block(block)
     assert line in str(e.value).splitlines()[1]
+
+
+def test_every_problem_of_a_block_in_one_message():
+    """A value of the wrong JSON type and an unknown key in one block: one error names both, each once, so a user
+    does not fix one to be shown the other (the model's own check stops at a block's first unknown key)."""
+    for block, unknown in (({"weight": {}, "gradients": {"inter_bits": "4"}}, "'weight'; did you mean 'weights'?"),
+                           ({"gradients": {"inter_bits": "4", "group_sise": 64}},
+                            "'group_sise'; did you mean 'group_size'?")):
+        with pytest.raises(SDP4BitConfigError) as e:
+            parse_block(block)
+        lines = str(e.value).splitlines()[1:]
+        assert len(lines) == 2, lines
+        assert lines[0].startswith('  sdp4bit.gradients.inter_bits: must be an integer, got "4"'), lines
+        assert "unknown key " + unknown in lines[1], lines
+    # a key the raw check names is not named again by the model ("auto" is not 4 or 8 either); a range error
+    # of another key is
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_block({"gradients": {"inter_bits": "auto"}, "weights": {"bits": 5}})
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 2 and '"auto" is not a value here' in lines[0], lines
+    assert lines[1].startswith("  sdp4bit.weights.bits: Input should be 4 or 8, got 5"), lines

@@ -89,7 +89,8 @@ def test_linter_notes_a_missing_batch_size_and_the_early_8_bit_steps():
 
 def test_linter_says_how_the_overlap_of_the_full_replica_is_set():
     """The full replica between nodes: the overlap decided when the engine is built (the key omitted, with the
-    threshold), or as given; nothing to say with the node replica or on one node."""
+    threshold), or as given, or off where the ds_config's own throughput timer synchronizes (as the engine
+    decides it: unprobed); the node replica between nodes: off; nothing to say on one node."""
     ds = json.loads((CONFIGS / "sdp4bit.json").read_text())
     full = dict(ds, sdp4bit=dict(ds["sdp4bit"], weights=dict(ds["sdp4bit"]["weights"], replica="full")))
 
@@ -104,7 +105,17 @@ def test_linter_says_how_the_overlap_of_the_full_replica_is_set():
     assert said(full) == ["weights.overlap: off (given)"]
     full["sdp4bit"]["weights"]["overlap"] = True
     assert said(full) == ["weights.overlap: on (given) on a GPU; the refresh runs inside step() on a CPU"]
-    assert said(ds) == [] and said(dict(full, sdp4bit=dict(full["sdp4bit"], quantize_single_node=True)), 8, 8) == []
+    del full["sdp4bit"]["weights"]["overlap"]
+    timer = dict(full, timers={"throughput": {"synchronized": True}})
+    assert said(timer) == ["weights.overlap: off: the ds_config sets timers.throughput.synchronized=true, which "
+                           "waits for the whole device at every step's end (the link not probed; remove that key "
+                           "to let the engine decide)"]
+    for tp in ({"synchronized": False}, {"synchronized": True, "enabled": False}, {}):   # the engine decides
+        assert said(dict(full, timers={"throughput": tp})) == said(full) and "decided" in said(full)[0], tp
+    # the shipped config without --params: the node replica (the model size unknown), which never overlaps
+    assert said(ds) == ["weights.overlap: off (the node replica is refreshed inside step(); only the full replica "
+                        "overlaps its refresh)"]
+    assert said(dict(full, sdp4bit=dict(full["sdp4bit"], quantize_single_node=True)), 8, 8) == []
 
 
 def test_plan_bytes_are_the_models():
