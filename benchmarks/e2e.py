@@ -634,14 +634,11 @@ def overlap_blocks_error(args: argparse.Namespace, variants: List[suite.Variant]
     if args.step_sync != "stream":
         return ("--overlap-blocks needs --step-sync stream (waiting for every stream holds each overlapped refresh "
                 "inside the step that queued it: both modes would time the same)")
+    from deepspeed_sdp4bit.config import parse_block
     for v in variants:   # each config's own warm-up and timed steps (the --slow configs': --*-slow)
         cfg = suite.apply_ds_set(v.load(), suite.ds_sets_of(args.train_arg))
-        sdp = cfg.get("sdp4bit")
-        weights = (sdp.get("weights") or {}) if isinstance(sdp, dict) else {}
-        if (not isinstance(sdp, dict) or sdp.get("enabled") is False or weights.get("enabled") is False
-                or weights.get("overlap", None) not in (True, None)):
-            what = ("runs without SDP4Bit" if not isinstance(sdp, dict) or sdp.get("enabled") is False
-                    else "runs without the weight replica" if weights.get("enabled") is False else "turns off")
+        what = parse_block(cfg.get("sdp4bit")).never_overlaps
+        if what:
             return (f"--overlap-blocks switches weights.overlap, which {v.label} {what} (sdp4bit_overlap turns it "
                     f"on; with the key omitted the engine decides, and a run it left off switches nothing)")
         slow = v.config in args.slow

@@ -240,6 +240,18 @@ class SDP4BitConfig(_Strict):
         return self.enabled and (self.weights.enabled or self.gradients.enabled)
 
     @property
+    def never_overlaps(self) -> Optional[str]:
+        """Why a run of this config never overlaps its weight refresh, as words that follow its name ("runs
+        without SDP4Bit", "runs without the weight replica", "turns off": ``weights.overlap`` false); None where it
+        may: ``weights.overlap`` true, or omitted (the engine decides: on a GPU with the full replica between
+        nodes, by its probe of the link)."""
+        if not self.active:
+            return "runs without SDP4Bit"
+        if not self.weights.enabled:
+            return "runs without the weight replica"
+        return "turns off" if self.weights.overlap is False else None
+
+    @property
     def backend_name(self) -> str:
         """The name for :func:`deepspeed_sdp4bit.ops.get_backend`: the key's value, or its automatic choice."""
         return self.kernel_backend or "auto"

@@ -284,7 +284,7 @@ def overlap_blocks_left_off(engine, sdp_cfg) -> Optional[str]:
     st = getattr(engine, "sdp4bit", None)
     if st is not None and getattr(st, "overlap", False):
         return None
-    if sdp_cfg.active and sdp_cfg.weights.enabled and sdp_cfg.weights.overlap is None:
+    if sdp_cfg.never_overlaps is None and sdp_cfg.weights.overlap is None:
         chosen = getattr(st, "overlap_choice", None) if st is not None else None
         if chosen:
             return chosen["reason"]

@@ -278,3 +278,12 @@ def test_every_problem_of_a_block_in_one_message():
     lines = str(e.value).splitlines()[1:]
     assert len(lines) == 2 and '"auto" is not a value here' in lines[0], lines
     assert lines[1].startswith("  sdp4bit.weights.bits: Input should be 4 or 8, got 5"), lines
+
+
+def test_never_overlaps_says_why_a_config_cannot_overlap_its_refresh():
+    assert parse_block(None).never_overlaps == "runs without SDP4Bit"
+    assert parse_block({"enabled": False}).never_overlaps == "runs without SDP4Bit"
+    assert parse_block({"weights": {"enabled": False}}).never_overlaps == "runs without the weight replica"
+    assert parse_block({"weights": {"overlap": False}}).never_overlaps == "turns off"
+    assert parse_block({}).never_overlaps is None   # omitted: the engine decides
+    assert parse_block({"weights": {"overlap": True}}).never_overlaps is None
