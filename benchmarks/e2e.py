@@ -634,10 +634,13 @@ def overlap_blocks_error(args: argparse.Namespace, variants: List[suite.Variant]
     if args.step_sync != "stream":
         return ("--overlap-blocks needs --step-sync stream (waiting for every stream holds each overlapped refresh "
                 "inside the step that queued it: both modes would time the same)")
-    from deepspeed_sdp4bit.config import parse_block
+    from deepspeed_sdp4bit.config import SDP4BitConfigError, find_block, parse_block
     for v in variants:   # each config's own warm-up and timed steps (the --slow configs': --*-slow)
         cfg = suite.apply_ds_set(v.load(), suite.ds_sets_of(args.train_arg))
-        what = parse_block(cfg.get("sdp4bit")).never_overlaps
+        try:
+            what = parse_block(find_block(cfg)).never_overlaps
+        except SDP4BitConfigError as e:
+            return f"{v.label}: {e}"
         if what:
             return (f"--overlap-blocks switches weights.overlap, which {v.label} {what} (sdp4bit_overlap turns it "
                     f"on; with the key omitted the engine decides, and a run it left off switches nothing)")

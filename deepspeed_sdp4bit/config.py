@@ -35,12 +35,14 @@ class _Strict(BaseModel):
         # pydantic's own "extra inputs are not permitted" says nothing of what was meant: say it here.
         if isinstance(data, dict):
             allowed = set(cls.model_fields)
-            for key in data:
+            said = []
+            for key in data:   # every unknown key of the block in one message
                 if key not in allowed:
                     home = _home_of(str(key), cls)
-                    raise ValueError(f"unknown key {key!r}"
-                                     + (f"; it belongs in {home}" if home else _did_you_mean(str(key), allowed))
-                                     + f" (allowed here: {', '.join(sorted(allowed))})")
+                    said.append(f"unknown key {key!r}"
+                                + (f"; it belongs in {home}" if home else _did_you_mean(str(key), allowed)))
+            if said:
+                raise ValueError("; ".join(said) + f" (allowed here: {', '.join(sorted(allowed))})")
         return data
 
 
@@ -422,7 +424,13 @@ def parse_block(block: Optional[Dict[str, Any]]) -> SDP4BitConfig:
         # every problem in one message: the model's own (unknown keys with a did-you-mean, ranges) where the raw
         # check did not already name that key
         named = {p.split(":", 1)[0] for p in problems}
-        more = [x for x in (error or "").splitlines()[1:] if x.split(":", 1)[0] not in named]
+
+        def own(line: str) -> bool:
+            # the model's line for a key the raw check named, or a check of its section across keys (which read
+            # the value pydantic converted, e.g. true as 1): left out; an unknown key of that section is kept
+            at = line.split(":", 1)[0]
+            return at not in named and ("unknown key" in line or not any(n.startswith(at + ".") for n in named))
+        more = [x for x in (error or "").splitlines()[1:] if own(x)]
         raise SDP4BitConfigError("invalid sdp4bit config:\n" + "\n".join(problems + more))
     if error is not None:
         raise SDP4BitConfigError(error)

@@ -1567,6 +1567,9 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
     assert "zero3 runs without SDP4Bit" in e2e.overlap_blocks_error(ns, [z3])
     assert "tlq_hs runs without the weight replica" in e2e.overlap_blocks_error(ns, [suite.Variant.parse("tlq_hs")])
     assert "sdp4bit_no_overlap turns off" in e2e.overlap_blocks_error(ns, [suite.Variant.parse("sdp4bit_no_overlap")])
+    bad = argparse.Namespace(**dict(vars(ns), train_arg=["--ds-set", "sdp4bit.weights.overlap=\"yes\""]))
+    said = e2e.overlap_blocks_error(bad, [ovl])   # a block the engine would refuse: refused here, naming the key
+    assert said.startswith("sdp4bit_overlap: invalid sdp4bit config") and "weights.overlap" in said, said
     off = ["--ds-set", "sdp4bit.weights.overlap=false"]
     assert "sdp4bit_overlap turns off" in e2e.overlap_blocks_error(argparse.Namespace(**dict(vars(ns), train_arg=off)),
                                                                     [ovl])

@@ -261,7 +261,7 @@ def test_a_value_outside_the_allowed_ones_says_what_was_given(block, line):
 
 def test_every_problem_of_a_block_in_one_message():
     """A value of the wrong JSON type and an unknown key in one block: one error names both, each once, so a user
-    does not fix one to be shown the other (the model's own check stops at a block's first unknown key)."""
+    does not fix one to be shown the other."""
     for block, unknown in (({"weight": {}, "gradients": {"inter_bits": "4"}}, "'weight'; did you mean 'weights'?"),
                            ({"gradients": {"inter_bits": "4", "group_sise": 64}},
                             "'group_sise'; did you mean 'group_size'?")):
@@ -271,6 +271,15 @@ def test_every_problem_of_a_block_in_one_message():
         assert len(lines) == 2, lines
         assert lines[0].startswith('  sdp4bit.gradients.inter_bits: must be an integer, got "4"'), lines
         assert "unknown key " + unknown in lines[1], lines
+    # every unknown key of a block in one line; a check across keys that read a value the raw check refused
+    # (true read as 1) is not reported beside it
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_block({"weights": {"a": 1, "b": 2}})
+    assert "unknown key 'a'; unknown key 'b' (allowed here:" in str(e.value)
+    with pytest.raises(SDP4BitConfigError) as e:
+        parse_block({"gradients": {"inter8_steps": True, "inter_bits": 8}})
+    assert str(e.value).splitlines()[1:] == ["  sdp4bit.gradients.inter8_steps: must be an integer, got true "
+                                             "(a boolean)"]
     # a key the raw check names is not named again by the model ("auto" is not 4 or 8 either); a range error
     # of another key is
     with pytest.raises(SDP4BitConfigError) as e:
