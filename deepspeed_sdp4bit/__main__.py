@@ -231,6 +231,13 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
                          "sdp4bit is used")
             return out
         lines += [f"note: {n}" for n in notes]
+        try:   # a block DeepSpeed refuses (the overlap's choice reads it): said here, not at the engine's build
+            from deepspeed.utils.config import get_timers_config
+            get_timers_config(ds_config)
+        except Exception as e:   # noqa: BLE001 - DeepSpeed's own error, whatever its type
+            first = (str(e).strip().splitlines() or [""])[0]
+            lines.append(f"note: deepspeed.initialize will refuse this ds_config's timers block "
+                         f"({type(e).__name__}: {first})")
         if not any(k in ds_config for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
             lines.append("note: no train_batch_size / train_micro_batch_size_per_gpu: deepspeed.initialize refuses a "
                          "config without one (the examples and the HF Trainer add it; a script of your own must)")

@@ -112,6 +112,11 @@ def test_linter_says_how_the_overlap_of_the_full_replica_is_set():
                            "to let the engine decide)"]
     for tp in ({"synchronized": False}, {"synchronized": True, "enabled": False}, {}):   # the engine decides
         assert said(dict(full, timers={"throughput": tp})) == said(full) and "decided" in said(full)[0], tp
+        assert not [x for x in report.plan(dict(full, timers={"throughput": tp}), 16, 8)["lines"] if "timers" in x]
+    for tp in (None, [1], {"synchronised": True}):   # a block DeepSpeed itself refuses: said before the launch
+        lines = report.plan(dict(full, timers={"throughput": tp}), 16, 8)["lines"]
+        assert any(x.startswith("note: deepspeed.initialize will refuse this ds_config's timers block (") for x in
+                   lines), (tp, lines)
     # the shipped config without --params: the node replica (the model size unknown), which never overlaps
     assert said(ds) == ["weights.overlap: off (the node replica is refreshed inside step(); only the full replica "
                         "overlaps its refresh)"]
