@@ -12,6 +12,10 @@ export PYTHONPATH=/tmp/site:$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=32 PYTHONUNBUFFERED=1 SDP4BIT_CUDA_ARCH_LIST=9.0a TORCH_EXTENSIONS_DIR=/tmp/torch_extensions SDP4BIT_COMMIT=${commit:?set commit before sourcing device_env.sh}
 # a build killed by an earlier call's deadline leaves its lock behind, and the next build would wait on it forever
 find /tmp/torch_extensions -name lock -delete 2>/dev/null
+# left MARGIN: the seconds from now to MARGIN before the call's budget ($budget, set by the calling script), at least 1
+left() { local s=$((budget - SECONDS - $1)); [ $s -gt 0 ] || s=1; echo $s; }
+# gpus: the host's GPUs (name, memory) printed, their count in $G
+gpus() { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; G=$(nvidia-smi -L | wc -l); }
 # build_kernels [LOG]: JIT-build the CUDA ops once (runs side by side would each start the build), print the build's
 # last line (the whole output to LOG if given) and the script's clock
 build_kernels() {

@@ -14,11 +14,8 @@
 commit=$1; budget=$2; shift 2
 [ $# -ge 1 ] || { echo "usage: $0 COMMIT BUDGET_S thr12" >&2; exit 2; }
 for m in "$@"; do case $m in thr12) ;; *) echo "unknown mode $m (thr12)" >&2; exit 2 ;; esac; done
-left() { local s=$((budget - SECONDS - $1)); [ $s -gt 0 ] || s=1; echo $s; }   # seconds to a margin before the budget
-source benchmarks/results/device_env.sh
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-G=$(nvidia-smi -L | wc -l)
-build_kernels
+source benchmarks/results/device_env.sh   # (left, gpus, build_kernels, pack_out)
+gpus; build_kernels
 for m in "$@"; do echo "== $m at $SECONDS s"; case $m in
 thr12)
   i=0
