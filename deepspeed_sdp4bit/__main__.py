@@ -231,8 +231,8 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
                          "sdp4bit is used")
             return out
         lines += [f"note: {n}" for n in notes]
+        from deepspeed.utils.config import get_timers_config
         try:   # a block DeepSpeed refuses (the overlap's choice reads it): said here, not at the engine's build
-            from deepspeed.utils.config import get_timers_config
             get_timers_config(ds_config)
         except Exception as e:   # noqa: BLE001 - DeepSpeed's own error, whatever its type
             first = (str(e).strip().splitlines() or [""])[0]

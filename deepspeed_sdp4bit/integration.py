@@ -332,7 +332,7 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
     return RunPlan(ds, cfg, None, notes)
 
 
-def throughput_timer_block(ds: Dict[str, Any]) -> Dict[str, Any]:
+def _throughput_timer_block(ds: Dict[str, Any]) -> Dict[str, Any]:
     """The ds_config's own ``timers.throughput`` block as the user wrote it ({} where absent or not a dict): what
     the user set there (e.g. ``synchronized``) is theirs, what is absent is DeepSpeed's default."""
     timers = ds.get("timers")
@@ -347,7 +347,7 @@ def user_synchronized_timer(ds: Dict[str, Any]) -> bool:
     ``weights.overlap: true``; the automatic choice stays off, unprobed).  False where DeepSpeed would refuse the
     block itself (it says so when the engine reads it)."""
     from deepspeed.utils.config import DeepSpeedThroughputTimerConfig   # (how DeepSpeed reads the block)
-    tp = throughput_timer_block(ds)
+    tp = _throughput_timer_block(ds)
     try:
         read = DeepSpeedThroughputTimerConfig(**tp)
     except Exception:
@@ -361,7 +361,7 @@ def _unsynchronize_throughput_timer(ds: Dict[str, Any], notes: List[str]) -> Non
     refresh left in flight on its side stream every step; set it unsynchronized (CPU clock) where the key is
     omitted, refuse an explicit ``true``."""
     from deepspeed.utils.config import DeepSpeedThroughputTimerConfig   # (how DeepSpeed reads the block)
-    timers, tp = ds.get("timers"), throughput_timer_block(ds)
+    timers, tp = ds.get("timers"), _throughput_timer_block(ds)
     try:
         read = DeepSpeedThroughputTimerConfig(**tp)
     except Exception:   # DeepSpeed refuses the block itself, naming it, when the engine reads it
