@@ -1756,3 +1756,35 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
                                 dict(rule, link_gbps=5.0)])   # (rule: blocks of 3)
     assert v == "met" and "2 run(s) outside the rule" in m
     assert "`weights.overlap` omitted: on where" in report.goals_table(cells5(dflt), [], None)
+    # the threshold rule (findings.md, twenty-fourth session): a forced run (sdp4bit_overlap, switched) is judged where
+    # the default of the same e2e run left the overlap off with its probe reading 8-12 Gb/s; both 2x1 cells needed
+    thr = report._overlap_threshold_goal
+    assert thr([]) == (report.NM, report.NM)
+    read = dict(off, gbps=10.0)
+
+    def pair(model, gbps=10.0, forced=None, run="t"):   # the default (status ok, nothing switched) and a forced run
+        d = dict(plain, run_id=f"{run}{model}", model=model, topology="2x1", overlap_choice=dict(read, gbps=gbps),
+                 status="ok", link_gbps=10.0, overlap_ab=None)
+        return [d, dict(forced or rule5, run_id=f"{run}{model}", model=model, topology="2x1", link_gbps=10.0)]
+    both = pair("406M") + pair("1.3B")
+    m, v = thr(both)
+    assert v == "met" and m.startswith("2 judged run(s), 0 failing") and "the default's probe 10.00 Gb/s: 0.9" in m
+    m, v = thr(pair("406M"))   # a 2x1 cell without a judged run
+    assert v == "not resolved" and m.endswith("not judged: 1.3B 2x1")
+    failing = dict(close, overlap_ab=dict(close["overlap_ab"], blocks=5))   # upper 1.044
+    m, v = thr(both + pair("406M", forced=failing, run="u"))
+    assert v == "not met" and "Rule: fails (upper bound above 1.01)" in m and "1 failing" in m
+    # the probe outside 8-12 Gb/s: listed, not judged, whatever the forced run measured
+    m, v = thr(both + pair("406M", gbps=14.4, forced=failing, run="u"))
+    assert v == "met" and "1 with the probe outside 8-12 Gb/s (not judged)" in m and "probe 14.40" in m
+    # not the rule's: a forced run without a default in its run, in blocks other than 5, a share-GPU default, the
+    # default itself (not forced), another threshold's default
+    lone = dict(rule5, run_id="v", model="406M", topology="2x1", config="sdp4bit_overlap")
+    share = pair("406M", forced=failing, run="w")
+    share[0] = dict(share[0], mode="share-GPU sockets")
+    other6 = pair("406M", forced=failing, run="x")
+    other6[0] = dict(other6[0], config_snapshot={"sdp4bit.weights.overlap": None,
+                                                 "sdp4bit.weights.overlap_below_gbps": 12.0})
+    blocks3 = pair("406M", forced=dict(failing, overlap_ab=dict(close["overlap_ab"], blocks=3)), run="y")
+    assert thr(both + [lone] + share + other6 + blocks3) == thr(both)
+    assert "`weights.overlap_below_gbps` moved from 6 to 12" in report.goals_table(both, [], None)

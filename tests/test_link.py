@@ -570,6 +570,10 @@ def test_bytes_counted_at_one_rate_serve_the_others_and_nvlink_runs_are_the_fast
     assert {"v1/zero3", "v2/sdp4bit", "v3/z31x4"} <= ids and "v1/sdp1x4" not in ids
     assert all(p.X == 0 for p in res["points"] if p.row_id.startswith("v"))
     assert projection.validated(res, ("zero3", "sdp4bit/full")), projection.problems(res, ("zero3", "sdp4bit/full"))
+    # its goals row is met, and says which configs the family measured (a met row is no check of the others)
+    line = next(x for x in report.goals_table([], [], {"4 GPUs, nodes": res}).splitlines() if "4 GPUs, nodes" in x)
+    assert line.endswith("**met** |") and "(zero3, sdp4bit/full only; zeropp, sdp4bit/node not measured in this " \
+        "family)" in line
     for cfg, (nb, c, phi) in NODES_TRUTH.items():
         key = "sdp4bit/full" if cfg == "sdp4bit" else cfg
         assert res["fit"].c[key] == pytest.approx(c, rel=0.02) and res["fit"].phi[key] == pytest.approx(phi, abs=0.03)

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The runs of findings.md's rule for moving weights.overlap_below_gbps from 6 to 12 (twenty-fourth session, "A rule
-# for moving the threshold", set before any run of it; written then, not yet run).  Run from the repository root with
-# .whl/ carried.  MODES, in the order given, each skipped with a line when the budget is too short:
+# for moving the threshold", set before any run of it; run in the twenty-fifth session, findings.md has the
+# verdict).  Run from the repository root with .whl/ carried.  MODES, in the order given, each skipped with a line
+# when the budget is too short:
 #   thr12  logical nodes of this host (e2e --transport nodes, 4 x 4 NCCL sockets between nodes, the knob on them):
 #          in one e2e process per cell the default (weights.overlap omitted: its row records the engine's probe
 #          reading, the rule's criterion; with the threshold at 6 it switches nothing where the probe reads more) and
