@@ -1934,13 +1934,13 @@ def goals_table(tp_rows: Sequence[dict], acc_rows: Sequence[dict], fits,
                  f"upper 95% bound <= {OVERLAP_RULE_BOUND} and none slower; {models} at {topos} judged at the knob "
                  f"(not met: the omitted key means off again)", m, v))
     m, v = _overlap_threshold_goal(tp_rows)
-    lo, hi = THRESHOLD_RULE_PROBE
+    probe_lo, probe_hi = THRESHOLD_RULE_PROBE
     rows.append(("20", f"`weights.overlap_below_gbps` moved from {AUTO_RULE_THRESHOLD:g} to "
                  f"{THRESHOLD_RULE_CANDIDATE:g} Gb/s per rank, by the rule set before the runs that judge it: on "
-                 f"logical nodes, in every cell where the default's probe read {lo:g}-{hi:g} Gb/s (so it left the "
-                 f"overlap off), the forced overlap (`{OVERLAP_RULE_CONFIG}`, switched in the same e2e run) has its "
-                 f"end-to-end upper 95% bound <= {OVERLAP_RULE_BOUND} and none slower; "
-                 + " and ".join(f"{m} {t}" for m, t in THRESHOLD_RULE_CELLS)
+                 f"logical nodes, in every cell where the default's probe read {probe_lo:g}-{probe_hi:g} Gb/s (so "
+                 f"it left the overlap off), the forced overlap (`{OVERLAP_RULE_CONFIG}`, switched in the same e2e "
+                 f"process) has its end-to-end upper 95% bound <= {OVERLAP_RULE_BOUND} and none slower; "
+                 + " and ".join(f"{model} {topo}" for model, topo in THRESHOLD_RULE_CELLS)
                  + f" judged at least (not met: the threshold stays {AUTO_RULE_THRESHOLD:g})", m, v))
     m, v = _accuracy_goal(acc_rows)
     rows.append(("21", f"default's train loss (last 50 steps) within +{GOAL_GAP}% of ZeRO-3, seed-paired", m, v))

@@ -1786,5 +1786,15 @@ def test_overlap_blocks_arguments_statistics_and_report(monkeypatch, tmp_path):
     other6[0] = dict(other6[0], config_snapshot={"sdp4bit.weights.overlap": None,
                                                  "sdp4bit.weights.overlap_below_gbps": 12.0})
     blocks3 = pair("406M", forced=dict(failing, overlap_ab=dict(close["overlap_ab"], blocks=3)), run="y")
-    assert thr(both + [lone] + share + other6 + blocks3) == thr(both)
+    # failed default, a forced run of another topology than its run's default: not the rule's
+    failed = pair("406M", forced=failing, run="z")
+    failed[0] = dict(failed[0], status="failed")
+    other_topo = pair("406M", forced=failing, run="q")
+    other_topo[1] = dict(other_topo[1], topology="4x1")
+    assert thr(both + [lone] + share + other6 + blocks3 + failed + other_topo) == thr(both)
+    # the range's ends: 8 and 12 inclusive (judged), 7.99 and a slow link's 5 (the default turned it on) outside
+    for gbps, judged in ((8.0, True), (12.0, True), (7.99, False), (12.01, False), (5.0, False)):
+        m, v = thr(both + pair("1.3B", gbps=gbps, forced=failing, run="e"))
+        assert (v == "not met") == judged and ("1 with the probe outside 8-12 Gb/s" in m) != judged, gbps
+        assert f"the default's probe {gbps:.2f} Gb/s" in m, gbps
     assert "`weights.overlap_below_gbps` moved from 6 to 12" in report.goals_table(both, [], None)
