@@ -586,13 +586,23 @@ def _make_gathered_enter(orig_enter):
 def _make_gathered_exit(orig_exit):
     """``deepspeed.zero.GatheredParameters`` partitions its parameters on exit, which would leave full-replica
     parameters empty (the next forward would gather a second copy of them): point them at their replica
-    again, after re-synchronising every replica if a rank modified them (``modifier_rank``)."""
+    again.  With ``modifier_rank`` DeepSpeed broadcasts each parameter's data from that rank into every rank's
+    data and partitions from it.  Where the data is the replica view, a change made in place reaches every
+    replica and owner alike.  Only where a rank's data is another tensor (``p.data = ...``, or DeepSpeed's
+    gather into a fresh buffer after a checkpoint prologue partitioned everything) whose values differ from
+    the replica's is every replica re-synchronised from the owners (DeepSpeed's 16-bit save gathers each
+    module with ``modifier_rank=0`` and changes nothing: a resync there cost a whole-model exchange per
+    module)."""
 
     @functools.wraps(orig_exit)
     def __exit__(self, *exc):
+        reps = _replicas_holding(self)
+        params = list(getattr(self, "params", ()))
+        broadcast = getattr(self, "src_rank", None) is not None
+        changed = [rep.changed_elsewhere(params) if broadcast else False for rep in reps]   # (before the exit)
         result = orig_exit(self, *exc)
-        for rep in _replicas_holding(self):
-            rep.after_gathered(modified=getattr(self, "src_rank", None) is not None)
+        for rep, modified in zip(reps, changed):
+            rep.after_gathered(modified=modified)
         return result
 
     __exit__._sdp4bit_wrapped = True
@@ -751,6 +761,7 @@ class _Replica:
                 off += P
             self.layout.append(items)
         self.params: List[torch.nn.Parameter] = [p for items in self.layout for p, _, _ in items]
+        self._ids = frozenset(id(p) for p in self.params)
         self.flat: List[Optional[torch.Tensor]] = []
         self._views: Dict[int, torch.Tensor] = {}
         # [(stage, sub-group, a, b, {source: plan})], in execution order (both levels)
@@ -872,7 +883,8 @@ class _Replica:
         return self._views[param_id]
 
     def __contains__(self, param_id: int) -> bool:
-        return param_id in self._views
+        """Whether the parameter with this ``id`` is one of the replica's (the optimizer's), at either level."""
+        return param_id in self._ids
 
     @staticmethod
     def _set_secondary(p, view: torch.Tensor) -> None:
@@ -953,6 +965,25 @@ class _Replica:
         for i, (_, k, a, b, plans) in enumerate(self.runs):   # run by run: bf16 rows of one run at a time
             self.weights.full_sync(opt.fp16_partitioned_groups_flat[k][a:b], plans, bucket_id=i)
         self.point_params()
+
+    def changed_elsewhere(self, params) -> bool:
+        """Whether on any rank one of our ``params`` holds data that is not its replica view and differs from it
+        (full level; collective over the data-parallel group, every rank calls it with the same ``params``).
+        Data that IS the view needs no look: a change made to it is a change of the replica itself."""
+        import torch.distributed as tdist
+
+        def differs(p) -> bool:
+            view = self._views[id(p)]
+            if p.data.data_ptr() == view.data_ptr() and p.data.numel() == view.numel():
+                return False
+            return (p.data.numel() != view.numel() or p.data.dtype != view.dtype
+                    or not torch.equal(p.data.reshape(-1), view))
+
+        local = any(id(p) in self._views and differs(p) for p in params)
+        dev = next(b.device for b in self.flat if b is not None)
+        flag = torch.tensor([int(local)], dtype=torch.int32, device=dev)
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX, group=self.topology.group)
+        return bool(flag.item())
 
     def after_gathered(self, modified: bool) -> None:
         """After a ``GatheredParameters`` context over some of our parameters (every rank calls it)."""
@@ -1529,8 +1560,7 @@ def _post_step(orig):
         if st is None or st.level != "full":
             return orig(self, timer_names)
         saved = self.persistent_parameters
-        ours = {id(p) for p in st.replica.params}
-        self.persistent_parameters = [p for p in saved if id(p) not in ours]
+        self.persistent_parameters = [p for p in saved if id(p) not in st.replica]
         try:
             orig(self, timer_names)
         finally:
@@ -1682,6 +1712,14 @@ def _checkpoint_event_epilogue(orig):
             # as DeepSpeed does: any hpZ secondary partition is DeepSpeed's own here (the node replica is one,
             # kept and resynced above); one left over would hold the weights of before the load
             self.invalidate_secondary_tensor()
+        else:
+            # the node replica covers the optimizer's parameters only; a parameter outside it (frozen:
+            # requires_grad False) keeps DeepSpeed's own hpZ secondary, which a load does not rewrite (DeepSpeed
+            # writes the primary partition and drops only the optimizer's secondaries): drop it, so the next
+            # gather rebuilds it from the loaded primary
+            for p in self.module.parameters():
+                if getattr(p, "ds_secondary_tensor", None) is not None and id(p) not in st.replica:
+                    p.ds_secondary_tensor = None
         rest = [p for p in self.persistent_parameters if id(p) not in st.replica]
         if st.level == "full" and rest:
             rest[0].all_gather(rest)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -166,11 +166,13 @@ def base_config(dtype: str = "bf16", world_size: int = 4, micro_batch: int = 2, 
     return cfg
 
 
-def make_engine(config: Dict[str, Any], seed: int = 0, d: int = 32, zero_init: bool = False):
+def make_engine(config: Dict[str, Any], seed: int = 0, d: int = 32, zero_init: bool = False,
+                frozen: Sequence[str] = ()):
     """``deepspeed.initialize`` on the tiny model; returns the engine.
 
     ``zero_init``: build the model under ``deepspeed.zero.Init(config_dict_or_path=config)`` (partitioned at
-    construction), as a user of a large model would.
+    construction), as a user of a large model would.  ``frozen``: name prefixes of parameters set to
+    ``requires_grad=False`` and left out of the optimizer (as a user freezing part of a model does).
     """
     prepare_deepspeed_env()
     import deepspeed
@@ -180,7 +182,11 @@ def make_engine(config: Dict[str, Any], seed: int = 0, d: int = 32, zero_init: b
             model = make_model(seed, d=d)
     else:
         model = make_model(seed, d=d)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for name, p in model.named_parameters():
+        if name.startswith(tuple(frozen)):
+            p.requires_grad_(False)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                          if p.requires_grad], config=config)
     return engine
 
 

@@ -427,37 +427,46 @@ def test_zero_init_model_trains_with_node_replicas():
 # --------------------------------------------------------------------------------------------------------
 # family "checkpoint": save, continue; a fresh engine (other initial weights) loads and continues.  Both
 # replica levels in ONE spawn, node first: DeepSpeed's cached hpZ group of the node engines once leaked into
-# the later full-replica engines of the process and made their resume diverge at the second step
+# the later full-replica engines of the process and made their resume diverge at the second step.  "node_frozen":
+# the node replica with part of the model frozen (outside the optimizer, so outside the replica: their hpZ
+# secondaries are DeepSpeed's own, and a load once left them holding the fresh engine's initial weights)
 # --------------------------------------------------------------------------------------------------------
+FROZEN = ("tok.", "blocks.1.fc1.")
+
+
 def _checkpoint_worker(rank, world, ckpt_dir):
     import os
 
     du = _setup()
     out = {}
-    for replica in ("node", "full"):
+    for case in ("node", "node_frozen", "full"):
+        replica, frozen = case.split("_")[0], FROZEN if case.endswith("_frozen") else ()
         cfg = du.base_config(sdp4bit=block(replica=replica))
-        d = os.path.join(ckpt_dir, replica)
-        e = du.make_engine(cfg)
+        d = os.path.join(ckpt_dir, case)
+        e = du.make_engine(cfg, frozen=frozen)
         du.train_steps(e, STEPS, rank)
         res = {"before_save": _replica_report(e)}
         e.save_checkpoint(d, tag="t")
         res["after_save"] = _replica_report(e)
         res["uninterrupted"] = du.train_steps(e, 3, rank, start_step=STEPS)
         del e
-        resumed = du.make_engine(cfg, seed=7)
+        resumed = du.make_engine(cfg, seed=7, frozen=frozen)
         resumed.load_checkpoint(d, tag="t")
         res["resumed_step"] = resumed.sdp4bit.step
         res["after_load"] = _replica_report(resumed)
         res["hpz_secondaries"] = sum(p.ds_secondary_tensor is not None for p in resumed.module.parameters())
+        res["frozen_outside"] = sum(id(p) not in resumed.sdp4bit.replica for p in resumed.module.parameters())
         res["resumed"] = du.train_steps(resumed, 3, rank, start_step=STEPS)
         del resumed
-        out[replica] = res
+        out[case] = res
     return out
 
 
-@pytest.mark.parametrize("replica", ["node", "full"])
+@pytest.mark.parametrize("replica", ["node", "node_frozen", "full"])
 def test_checkpoint_resume_equals_uninterrupted(replica):
     runs = [r[replica] for r in family(_checkpoint_worker, tmpdir=True)]
+    # the frozen case has parameters outside the replica (the others none)
+    assert all((r["frozen_outside"] > 0) == replica.endswith("_frozen") for r in runs)
     for r in runs:
         assert r["resumed_step"] == STEPS
     if replica == "full":
@@ -466,11 +475,11 @@ def test_checkpoint_resume_equals_uninterrupted(replica):
     _close(runs[0]["resumed"], runs[0]["uninterrupted"], 1e-6)
     # saving leaves the replicas exact (the epilogue resync changes nothing); loading restores them (the
     # resumed engine's params have other ds_ids: compare in order)
-    what = "secondary" if replica == "node" else "replica"
+    what = "replica" if replica == "full" else "secondary"
     for r in runs:
         for b, s, l in zip(*(r[k]["params"].values() for k in ("before_save", "after_save", "after_load"))):
             assert torch.equal(s[what], b[what]) and torch.equal(l[what], s[what])
-    check = _check_node_replicas if replica == "node" else _check_full_replicas
+    check = _check_full_replicas if replica == "full" else _check_node_replicas
     check(runs, "after_load")
 
 
@@ -515,6 +524,31 @@ def _full_worker(rank, world, backend, steps, gathered):
     res["mod_replicas"] = _replica_report(e)
     res["mod_step"] = du.train_steps(e, 1, rank, start_step=steps + 1)
     res["mod_step_replicas"] = _replica_report(e)
+
+    # how many whole-replica resyncs each of the next contexts costs
+    rep, calls = e.sdp4bit.replica, []
+    resync = rep.resync
+    rep.resync = lambda opt: (calls.append(1), resync(opt))[1]
+    # DeepSpeed's 16-bit state dict (save_16bit_model, the HF Trainer's save_model): its checkpoint prologue
+    # partitions everything, then every module is gathered (into fresh buffers) with modifier_rank=0, nothing
+    # changed: only the epilogue's resync (there was one more per module), the weights as in the replica
+    before = {id(q): rep[id(q)].detach().clone() for q in rep.params}
+    sd = e._zero3_consolidated_16bit_state_dict()
+    res["sd16_resyncs"], res["sd16_pointers"] = len(calls), _pointers(e)
+    res["sd16_unchanged"] = all(torch.equal(rep[id(q)], v) for q, v in ((q, before[id(q)]) for q in rep.params))
+    res["sd16_equal"] = rank != 0 or all(torch.equal(sd[n].reshape(-1), rep[id(q)].reshape(-1))
+                                         for n, q in e.module.named_parameters() if id(q) in rep)
+    res["sd16_replicas"] = _replica_report(e)
+    # modifier_rank=0, rank 0 gives the parameter new data (not its replica view): every replica resyncs to it
+    calls.clear()
+    expect2 = (p.data.float() - 0.25).to(p.dtype)
+    with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+        if rank == 0:
+            p.data = p.data.float().sub(0.25).to(p.dtype)
+    res["new_data_resyncs"], res["new_data_expect"] = len(calls), expect2
+    res["new_data_value"] = rep[id(p)].detach().clone().view(p.ds_shape)
+    res["new_data_pointers"], res["new_data_replicas"] = _pointers(e), _replica_report(e)
+    rep.resync = resync
     res["finite"] = _finite(e)
     return res
 
@@ -555,6 +589,15 @@ def test_full_replica_across_gathered_parameters():
     _check_full_replicas(runs, "mod_replicas")
     _check_full_replicas(runs, "mod_step_replicas")
     assert all(abs(x) < 10 for x in runs[0]["mod_step"])
+    # the 16-bit state dict: the epilogue's resync only, nothing changed, the saved weights are the replica's
+    for r in runs:
+        assert r["sd16_resyncs"] == 1 and r["sd16_unchanged"] and r["sd16_equal"] and all(r["sd16_pointers"].values())
+    _check_full_replicas(runs, "sd16_replicas")
+    # new data on the modifier rank: one resync, and every replica and owner holds it
+    for r in runs:
+        assert r["new_data_resyncs"] == 1 and all(r["new_data_pointers"].values())
+        assert torch.equal(r["new_data_value"], runs[0]["new_data_expect"])
+    _check_full_replicas(runs, "new_data_replicas")
 
 
 def test_full_replica_triton_bit_identical_to_torch():
