@@ -976,8 +976,10 @@ class _Replica:
             view = self._views[id(p)]
             if p.data.data_ptr() == view.data_ptr() and p.data.numel() == view.numel():
                 return False
-            return (p.data.numel() != view.numel() or p.data.dtype != view.dtype
-                    or not torch.equal(p.data.reshape(-1), view))
+            if p.data.numel() != view.numel() or p.data.dtype != view.dtype:
+                return True
+            # bit for bit: torch.equal calls -0.0 and +0.0 equal
+            return not torch.equal(p.data.reshape(-1).contiguous().view(torch.uint8), view.view(torch.uint8))
 
         local = any(id(p) in self._views and differs(p) for p in params)
         dev = next(b.device for b in self.flat if b is not None)

@@ -142,6 +142,12 @@ def _close(a, b, tol):
     assert max(diffs) <= tol, f"losses differ by up to {max(diffs):.2e} (> {tol}): {a} vs {b}"
 
 
+def _same_bits(a, b) -> bool:
+    """Bit for bit (torch.equal calls -0.0 and +0.0 equal)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                    b.contiguous().view(torch.uint8))
+
+
 def _check_node_replicas(runs, key):
     """Every secondary piece equals its owner's primary partition, bit for bit; same-local ranks agree."""
     N = len(runs) // GPN
@@ -153,7 +159,7 @@ def _check_node_replicas(runs, key):
             # secondary piece j of local index l is primary partition l*N + j
             for j in range(N):
                 owner = runs[l * N + j][key]["params"][ds_id]["primary"]
-                assert torch.equal(d["secondary"][j * P:(j + 1) * P], owner), (key, ds_id, l, j)
+                assert _same_bits(d["secondary"][j * P:(j + 1) * P], owner), (key, ds_id, l, j)
 
 
 def _check_full_replicas(runs, key, pointers=True):
@@ -163,7 +169,7 @@ def _check_full_replicas(runs, key, pointers=True):
         owners = torch.cat([r[key]["params"][ds_id]["primary"] for r in runs])[:n]
         for r in runs:
             d = r[key]["params"][ds_id]
-            assert torch.equal(d["replica"], owners), (key, ds_id)
+            assert _same_bits(d["replica"], owners), (key, ds_id)
             if pointers:
                 assert d["data_is_replica"], (key, ds_id)
 
@@ -478,7 +484,7 @@ def test_checkpoint_resume_equals_uninterrupted(replica):
     what = "replica" if replica == "full" else "secondary"
     for r in runs:
         for b, s, l in zip(*(r[k]["params"].values() for k in ("before_save", "after_save", "after_load"))):
-            assert torch.equal(s[what], b[what]) and torch.equal(l[what], s[what])
+            assert _same_bits(s[what], b[what]) and _same_bits(l[what], s[what])
     check = _check_full_replicas if replica == "full" else _check_node_replicas
     check(runs, "after_load")
 
@@ -535,8 +541,8 @@ def _full_worker(rank, world, backend, steps, gathered):
     before = {id(q): rep[id(q)].detach().clone() for q in rep.params}
     sd = e._zero3_consolidated_16bit_state_dict()
     res["sd16_resyncs"], res["sd16_pointers"] = len(calls), _pointers(e)
-    res["sd16_unchanged"] = all(torch.equal(rep[id(q)], v) for q, v in ((q, before[id(q)]) for q in rep.params))
-    res["sd16_equal"] = rank != 0 or all(torch.equal(sd[n].reshape(-1), rep[id(q)].reshape(-1))
+    res["sd16_unchanged"] = all(_same_bits(rep[id(q)], before[id(q)]) for q in rep.params)
+    res["sd16_equal"] = rank != 0 or all(_same_bits(sd[n].reshape(-1), rep[id(q)].reshape(-1))
                                          for n, q in e.module.named_parameters() if id(q) in rep)
     res["sd16_replicas"] = _replica_report(e)
     # modifier_rank=0, rank 0 gives the parameter new data (not its replica view): every replica resyncs to it
@@ -548,6 +554,17 @@ def _full_worker(rank, world, backend, steps, gathered):
     res["new_data_resyncs"], res["new_data_expect"] = len(calls), expect2
     res["new_data_value"] = rep[id(p)].detach().clone().view(p.ds_shape)
     res["new_data_pointers"], res["new_data_replicas"] = _pointers(e), _replica_report(e)
+    # new data that differs in bits only (-0.0 where the replica holds +0.0): a resync too
+    q = e.module.ln_f.bias
+    with deepspeed.zero.GatheredParameters([q], modifier_rank=0):
+        if rank == 0:
+            q.data.zero_()
+    calls.clear()
+    with deepspeed.zero.GatheredParameters([q], modifier_rank=0):
+        if rank == 0:
+            q.data = torch.full_like(q.data, -0.0)
+    res["negzero_resyncs"], res["negzero_replicas"] = len(calls), _replica_report(e)
+    res["negzero_sign"] = bool(torch.signbit(rep[id(q)]).all())
     rep.resync = resync
     res["finite"] = _finite(e)
     return res
@@ -598,6 +615,8 @@ def test_full_replica_across_gathered_parameters():
         assert r["new_data_resyncs"] == 1 and all(r["new_data_pointers"].values())
         assert torch.equal(r["new_data_value"], runs[0]["new_data_expect"])
     _check_full_replicas(runs, "new_data_replicas")
+    assert all(r["negzero_resyncs"] == 1 and r["negzero_sign"] for r in runs)
+    _check_full_replicas(runs, "negzero_replicas")
 
 
 def test_full_replica_triton_bit_identical_to_torch():
