@@ -565,6 +565,18 @@ def _full_worker(rank, world, backend, steps, gathered):
             q.data = torch.full_like(q.data, -0.0)
     res["negzero_resyncs"], res["negzero_replicas"] = len(calls), _replica_report(e)
     res["negzero_sign"] = bool(torch.signbit(rep[id(q)]).all())
+    # nested contexts: an in-place change of the outer parameter survives the inner exit (no resync there)
+    calls.clear()
+    outer, inner = e.module.ln_f.weight, e.module.head.weight
+    expect3 = (outer.data.float() + 1).to(outer.dtype)
+    with deepspeed.zero.GatheredParameters([outer], modifier_rank=0):
+        if rank == 0:
+            outer.data.add_(1)
+        with deepspeed.zero.GatheredParameters([inner], modifier_rank=0):
+            pass
+    res["nested_resyncs"], res["nested_expect"] = len(calls), expect3
+    res["nested_value"] = rep[id(outer)].detach().clone().view(outer.ds_shape)
+    res["nested_replicas"] = _replica_report(e)
     rep.resync = resync
     res["finite"] = _finite(e)
     return res
@@ -617,6 +629,9 @@ def test_full_replica_across_gathered_parameters():
     _check_full_replicas(runs, "new_data_replicas")
     assert all(r["negzero_resyncs"] == 1 and r["negzero_sign"] for r in runs)
     _check_full_replicas(runs, "negzero_replicas")
+    for r in runs:
+        assert r["nested_resyncs"] == 0 and torch.equal(r["nested_value"], runs[0]["nested_expect"])
+    _check_full_replicas(runs, "nested_replicas")
 
 
 def test_full_replica_triton_bit_identical_to_torch():
