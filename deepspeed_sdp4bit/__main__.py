@@ -241,6 +241,10 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         if not any(k in ds_config for k in ("train_batch_size", "train_micro_batch_size_per_gpu")):
             lines.append("note: no train_batch_size / train_micro_batch_size_per_gpu: deepspeed.initialize refuses a "
                          "config without one (the examples and the HF Trainer add it; a script of your own must)")
+        if not ds_config.get("optimizer") and cfg.active:
+            lines.append("note: no optimizer in this ds_config: unless deepspeed.initialize is given one (the HF "
+                         "Trainer passes its own), the engine has none and SDP4Bit is off there, plain ZeRO-3 (a "
+                         "forward-only engine, e.g. a reference model)")
         given = requested.topology.gpus_per_node
         if given is not None and gpus_per_node is not None and int(given) != int(gpus_per_node):
             lines.append(f"note: the config's sdp4bit.topology.gpus_per_node={given} is used, not --gpus-per-node "

@@ -61,7 +61,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .config import BLOCK_KEY, SDP4BitConfig, SDP4BitConfigError, parse_ds_config, validate_against_ds_config
-from .topology import Topology, job_gpus_per_node
+from .topology import Topology, job_gpus_per_node, launcher_ranks_per_host
 
 logger = logging.getLogger("deepspeed_sdp4bit")
 
@@ -416,6 +416,31 @@ def _model_size(model) -> Optional[int]:
     return n
 
 
+def _check_hosts_agree(cfg: SDP4BitConfig) -> None:
+    """With ``topology.gpus_per_node`` omitted every rank reads its own host's ``LOCAL_WORLD_SIZE``: ranks of
+    hosts with different counts would plan different layouts and hang creating their process groups (or one
+    would raise while the others wait).  Compared over the world first (collective: every rank calls it with
+    the same config), so every rank raises the same error."""
+    import torch.distributed as tdist
+    from deepspeed.accelerator import get_accelerator
+
+    if not (cfg.active and cfg.topology.gpus_per_node is None and tdist.is_initialized()
+            and tdist.get_world_size() > 1):
+        return
+    mine = launcher_ranks_per_host()
+    mine = -1 if mine is None else mine
+    dev = "cpu" if tdist.get_backend() == "gloo" else get_accelerator().current_device_name()
+    t = torch.tensor([mine, -mine], dtype=torch.int64, device=dev)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    hi, lo = int(t[0].item()), -int(t[1].item())
+    if hi != lo:
+        seen = "not set on some hosts" if lo < 0 else f"from {lo} to {hi}"
+        raise SDP4BitConfigError(
+            f"sdp4bit.topology.gpus_per_node is omitted (= the launcher's ranks per host, LOCAL_WORLD_SIZE), but "
+            f"the ranks per host differ between hosts ({seen}): set sdp4bit.topology.gpus_per_node to the "
+            f"number of ranks of one node, the same on every host")
+
+
 def _device_bytes() -> Optional[int]:
     """One accelerator's memory, the smallest over the ranks (every rank must choose the same replica), or
     None when some accelerator cannot say."""
@@ -473,6 +498,7 @@ def _make_initialize(orig_initialize):
         ds_dist.init_distributed(**init_kwargs)
         import torch.distributed as tdist
 
+        _check_hosts_agree(requested)
         # the memory (a collective over the ranks) only where an omitted replica will be chosen from it
         sized = (requested.active and requested.weights.enabled and requested.weights.replica is None
                  and tdist.get_world_size() > 1)
@@ -488,6 +514,24 @@ def _make_initialize(orig_initialize):
             if plan.off_reason is not None:
                 _say(f"off, training is plain ZeRO-3 ({plan.off_reason})")
                 _mark_off(result[0], plan.off_reason)
+            return result
+        if (a.get("optimizer") is None and not ds_config.get("optimizer")
+                and not any(hasattr(p, "ds_id") for p in getattr(a.get("model"), "parameters", lambda: ())())):
+            # no optimizer (a forward-only engine, e.g. a reference model) and a model zero.Init did not
+            # partition: SDP4Bit would be off (below), so DeepSpeed gets the user's config without the block:
+            # plain ZeRO-3 (prepared, DeepSpeed 0.19.8 builds such an engine's hpZ group with a method only its
+            # stage-3 optimizer has; with the block, the zero.Init DeepSpeed runs inside would prepare it again)
+            reason = "no optimizer in this engine: nothing to reduce or refresh"
+            plain = {k: v for k, v in ds_config.items() if k != BLOCK_KEY}
+            _prepare_hpz_group(plain)
+            if from_cli:
+                cli_args = copy.copy(cli_args)
+                cli_args.deepspeed_config = None
+                a["args"] = cli_args
+            a["config"] = plain
+            result = orig_initialize(*bound.args, **bound.kwargs)
+            _say(f"off, the engine runs as plain ZeRO-3 ({reason})")
+            _mark_off(result[0], reason)
             return result
         mpu = a.get("mpu")
         if mpu is not None and mpu.get_data_parallel_world_size() != tdist.get_world_size():
@@ -538,11 +582,13 @@ def _make_zero_init(orig_init):
         config = a.get(key)
         if config is not None and a.get("enabled", True):
             ds_config = _load_config(config)
-            if parse_ds_config(ds_config).active:
+            requested = parse_ds_config(ds_config)
+            if requested.active:
                 import deepspeed.comm as ds_dist
                 import torch.distributed as tdist
 
                 ds_dist.init_distributed()
+                _check_hosts_agree(requested)
                 # The model does not exist yet: an omitted replica is chosen without its size, as
                 # deepspeed.initialize will do for a model partitioned here (choose_replica).
                 new_config, _ = prepare_ds_config(ds_config, tdist.get_world_size())

@@ -53,6 +53,12 @@ class TopologyShape:
         return [self.rank_of(n, local) for n in range(self.num_nodes)]
 
 
+def launcher_ranks_per_host() -> Optional[int]:
+    """This host's ranks as the launcher says (``LOCAL_WORLD_SIZE``, or ``LOCAL_SIZE``), None where unset."""
+    env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
+    return None if env is None else int(env)
+
+
 def resolve_gpus_per_node(setting: Optional[int], world_size: int) -> int:
     """``gpus_per_node`` from the config: an int, or None (the key omitted) = the launcher's LOCAL_WORLD_SIZE.
 
@@ -60,12 +66,11 @@ def resolve_gpus_per_node(setting: Optional[int], world_size: int) -> int:
     started on this host, the hardware does not know how the user wants the job split into nodes.
     """
     if setting is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE")
-        if env is None:
+        gpn = launcher_ranks_per_host()
+        if gpn is None:
             raise ValueError("sdp4bit.topology.gpus_per_node is omitted (= the launcher's LOCAL_WORLD_SIZE) but "
                              "LOCAL_WORLD_SIZE is not set (the deepspeed launcher and torchrun set it); set "
                              "gpus_per_node to an integer")
-        gpn = int(env)
     else:
         gpn = int(setting)
     if gpn < 1 or world_size % gpn:

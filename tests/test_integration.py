@@ -1342,6 +1342,48 @@ def test_single_node_opt_in_quantizes():
 
 
 # --------------------------------------------------------------------------------------------------------
+# family "launch": what the launch gives, at 2x2: hosts that report different ranks per host (gpus_per_node
+# omitted) fail on every rank with one error, not a hang; a forward-only engine (no optimizer, e.g. a reference
+# model) with a node replica builds, off, as plain ZeRO-3 (DeepSpeed once raised building its hpZ group)
+# --------------------------------------------------------------------------------------------------------
+def _launch_worker(rank, world):
+    import os
+
+    du = _setup()
+    res = {}
+    cfg = du.base_config(sdp4bit={"kernel_backend": "torch"})   # gpus_per_node omitted
+    saved = os.environ["LOCAL_WORLD_SIZE"]
+    os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "1"   # as a hostfile of slots 2, 1, 1
+    try:
+        du.make_engine(cfg)
+        res["hosts"] = "built"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        res["hosts"] = f"{type(e).__name__}: {e}"
+    os.environ["LOCAL_WORLD_SIZE"] = saved
+    for name, blk in (("plain", None), ("node", block(replica="node"))):
+        c = du.base_config(sdp4bit=blk)
+        c.pop("optimizer")
+        e = du.make_engine(c)
+        e.eval()
+        with torch.no_grad():
+            res[name] = [float(e(du.batch(s, 0, rank))) for s in range(2)]
+        res[name + "_summary"] = e.sdp4bit_summary() if blk else None
+        res[name + "_secondaries"] = sum(p.ds_secondary_tensor is not None for p in e.module.parameters())
+        del e
+    return res
+
+
+def test_launch_hosts_disagree_and_forward_only_engine():
+    runs = family(_launch_worker)
+    for r in runs:
+        assert r["hosts"].startswith("SDP4BitConfigError: sdp4bit.topology.gpus_per_node is omitted") and \
+            "differ between hosts (from 1 to 2)" in r["hosts"], r["hosts"]
+        assert r["node_summary"] == {"active": False,
+                                     "reason": "no optimizer in this engine: nothing to reduce or refresh"}
+        assert r["node"] == r["plain"] and r["node_secondaries"] == 0   # plain ZeRO-3: no hpZ copies
+
+
+# --------------------------------------------------------------------------------------------------------
 # config errors: raised before DeepSpeed does anything, so no spawn is needed
 # --------------------------------------------------------------------------------------------------------
 def _initialize(config):

@@ -85,6 +85,11 @@ def test_linter_notes_a_missing_batch_size_and_the_early_8_bit_steps():
     ds["sdp4bit"].update(topology={"gpus_per_node": 8}, quantize_single_node=False)
     text = report.format_plan(report.plan(ds, 16, 8, 10 ** 9))
     assert "of the steps after the first 100, which send more between nodes: gradients.inter8_steps" in text
+    # no optimizer in the config: the engine may have none (a forward-only engine), SDP4Bit off there; said once
+    opt = "note: no optimizer in this ds_config"
+    assert not any(x.startswith(opt) for x in report.plan(ds, 16, 8)["lines"])
+    ds.pop("optimizer")
+    assert sum(x.startswith(opt) for x in report.plan(ds, 16, 8)["lines"]) == 1
 
 
 def test_linter_says_how_the_overlap_of_the_full_replica_is_set():
