@@ -54,6 +54,7 @@ import functools
 import inspect
 import json
 import logging
+import os
 import warnings
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -416,21 +417,33 @@ def _model_size(model) -> Optional[int]:
     return n
 
 
+def _collective_device() -> str:
+    """Where a small tensor for a collective before DeepSpeed has set this rank's device goes: the CPU under
+    gloo, else this rank's own accelerator (``LOCAL_RANK``, as DeepSpeed picks it; the current one where unset):
+    with every rank of a host on the current device, NCCL would see one GPU shared by all of them."""
+    import torch.distributed as tdist
+    from deepspeed.accelerator import get_accelerator
+
+    if tdist.get_backend() == "gloo":
+        return "cpu"
+    acc = get_accelerator()
+    local = os.environ.get("LOCAL_RANK")
+    return acc.device_name(int(local)) if local is not None and local.strip().isdigit() else acc.current_device_name()
+
+
 def _check_hosts_agree(cfg: SDP4BitConfig) -> None:
     """With ``topology.gpus_per_node`` omitted every rank reads its own host's ``LOCAL_WORLD_SIZE``: ranks of
     hosts with different counts would plan different layouts and hang creating their process groups (or one
     would raise while the others wait).  Compared over the world first (collective: every rank calls it with
     the same config), so every rank raises the same error."""
     import torch.distributed as tdist
-    from deepspeed.accelerator import get_accelerator
 
     if not (cfg.active and cfg.topology.gpus_per_node is None and tdist.is_initialized()
             and tdist.get_world_size() > 1):
         return
     mine = launcher_ranks_per_host()
     mine = -1 if mine is None else mine
-    dev = "cpu" if tdist.get_backend() == "gloo" else get_accelerator().current_device_name()
-    t = torch.tensor([mine, -mine], dtype=torch.int64, device=dev)
+    t = torch.tensor([mine, -mine], dtype=torch.int64, device=_collective_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     hi, lo = int(t[0].item()), -int(t[1].item())
     if hi != lo:
@@ -453,8 +466,7 @@ def _device_bytes() -> Optional[int]:
     except Exception:  # noqa: BLE001 - an accelerator that cannot say: the replica is chosen without it
         mine = -1
     if tdist.is_initialized() and tdist.get_world_size() > 1:
-        dev = "cpu" if tdist.get_backend() == "gloo" else acc.current_device_name()
-        t = torch.tensor([mine], dtype=torch.int64, device=dev)
+        t = torch.tensor([mine], dtype=torch.int64, device=_collective_device())
         tdist.all_reduce(t, op=tdist.ReduceOp.MIN)
         mine = int(t.item())
     return mine if mine > 0 else None
