@@ -409,12 +409,16 @@ def _model_size(model) -> Optional[int]:
     """
     if model is None:
         return None
-    params = list(model.parameters())
-    if any(hasattr(p, "ds_id") for p in params):
+    if _partitioned(model):
         return getattr(model, _SIZE_ATTR, None)
-    n = sum(p.numel() for p in params)
+    n = sum(p.numel() for p in model.parameters())
     setattr(model, _SIZE_ATTR, n)
     return n
+
+
+def _partitioned(model) -> bool:
+    """Whether ``deepspeed.zero.Init`` (or an earlier engine) partitioned ``model``'s parameters."""
+    return model is not None and any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def _collective_device() -> str:
@@ -472,6 +476,13 @@ def _device_bytes() -> Optional[int]:
     return mine if mine > 0 else None
 
 
+def _off_without_optimizer(engine) -> None:
+    """An engine without an optimizer: nothing to reduce or refresh, SDP4Bit off (said once, recorded)."""
+    reason = "no optimizer in this engine: nothing to reduce or refresh"
+    _say(f"off, the engine runs as plain ZeRO-3 ({reason})")
+    _mark_off(engine, reason)
+
+
 def _mark_off(engine, reason: str) -> None:
     """SDP4Bit off for this engine: plain ZeRO-3, with the reason reachable where users look for the state."""
     engine.sdp4bit = None
@@ -527,23 +538,23 @@ def _make_initialize(orig_initialize):
                 _say(f"off, training is plain ZeRO-3 ({plan.off_reason})")
                 _mark_off(result[0], plan.off_reason)
             return result
-        if (a.get("optimizer") is None and not ds_config.get("optimizer")
-                and not any(hasattr(p, "ds_id") for p in getattr(a.get("model"), "parameters", lambda: ())())):
+
+        def hand_over(config_for_ds: Dict[str, Any]):
+            """DeepSpeed's initialize with ``config_for_ds`` in place of the user's config (file or dict)."""
+            if from_cli:
+                a["args"] = copy.copy(cli_args)
+                a["args"].deepspeed_config = None
+            a["config"] = config_for_ds
+            _prepare_hpz_group(config_for_ds)
+            return orig_initialize(*bound.args, **bound.kwargs)
+
+        if a.get("optimizer") is None and not ds_config.get("optimizer") and not _partitioned(a.get("model")):
             # no optimizer (a forward-only engine, e.g. a reference model) and a model zero.Init did not
             # partition: SDP4Bit would be off (below), so DeepSpeed gets the user's config without the block:
             # plain ZeRO-3 (prepared, DeepSpeed 0.19.8 builds such an engine's hpZ group with a method only its
             # stage-3 optimizer has; with the block, the zero.Init DeepSpeed runs inside would prepare it again)
-            reason = "no optimizer in this engine: nothing to reduce or refresh"
-            plain = {k: v for k, v in ds_config.items() if k != BLOCK_KEY}
-            _prepare_hpz_group(plain)
-            if from_cli:
-                cli_args = copy.copy(cli_args)
-                cli_args.deepspeed_config = None
-                a["args"] = cli_args
-            a["config"] = plain
-            result = orig_initialize(*bound.args, **bound.kwargs)
-            _say(f"off, the engine runs as plain ZeRO-3 ({reason})")
-            _mark_off(result[0], reason)
+            result = hand_over({k: v for k, v in ds_config.items() if k != BLOCK_KEY})
+            _off_without_optimizer(result[0])
             return result
         mpu = a.get("mpu")
         if mpu is not None and mpu.get_data_parallel_world_size() != tdist.get_world_size():
@@ -556,21 +567,13 @@ def _make_initialize(orig_initialize):
 
         if isinstance(model, PipelineModule):
             raise NotImplementedError("sdp4bit does not support pipeline parallelism (PipelineModule) yet")
-        if from_cli:
-            cli_args = copy.copy(cli_args)
-            cli_args.deepspeed_config = None
-            a["args"] = cli_args
-        a["config"] = new_config
-        _prepare_hpz_group(new_config)
-        result = orig_initialize(*bound.args, **bound.kwargs)
+        result = hand_over(new_config)
         from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
 
         if isinstance(getattr(result[0], "optimizer", None), DeepSpeedZeRoOffload):
             # no optimizer (an inference engine, e.g. the HF Trainer's evaluate() before any training): no
             # gradients to reduce, no step to refresh; the config stays prepared (hpZ as zero.Init partitioned)
-            reason = "no optimizer in this engine: nothing to reduce or refresh"
-            _say(f"off, the engine runs as plain ZeRO-3 ({reason})")
-            _mark_off(result[0], reason)
+            _off_without_optimizer(result[0])
             return result
         attach(result[0], cfg)
         return result
