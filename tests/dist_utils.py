@@ -102,7 +102,7 @@ def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, en
     result = {"ok": True, "value": None}
     try:
         dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world_size)
-        result["value"] = fn(rank, world_size, *args)
+        result["value"] = _on_cpu(fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         result = {"ok": False, "error": traceback.format_exc()}
     # the result first (written whole, then renamed): a rank that hangs in the process group's teardown below,
@@ -116,6 +116,20 @@ def _entry(rank, world_size, fn, args, store_path, out_dir, local_world_size, en
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _on_cpu(value):
+    """A rank's return value with every tensor in it moved to the CPU (an NCCL rank's CUDA tensors would come back
+    on the caller's current GPU, beside CPU tensors of the same test)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 def run_distributed(fn, world_size: int, args=(), local_world_size: int = None, env=None,

@@ -53,14 +53,27 @@ def exact_block(backend="torch"):
 _FAMILIES = {}
 
 
+# Set to 1 on a GPU machine to run the scenario families on NCCL ranks that share one CUDA device, each its own NCCL
+# host (as the *_on_cuda tests do): LOCAL_RANK is 0 and LOCAL_WORLD_SIZE 1 on every rank, so the topology is the
+# block's gpus_per_node (a family whose block omits it plans 4 x 1 there).  Unset: gloo ranks on the CPU.
+NCCL_ENV = "SDP4BIT_TEST_NCCL"
+
+
+def _on_nccl() -> bool:
+    return os.environ.get(NCCL_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
 def family(worker, *args, world=WORLD, gpn=GPN, tmpdir=False):
-    """``run_distributed(worker, world, args)`` once per (worker, args); a failure fails the family's tests."""
+    """``run_distributed(worker, world, args)`` once per (worker, args); a failure fails the family's tests.
+    Under ``SDP4BIT_TEST_NCCL=1`` the ranks are NCCL ranks sharing one GPU (see ``NCCL_ENV``)."""
     key = (worker.__name__, world, gpn) + args
+    how = dict(local_world_size=1, env=_cuda_share_gpu(), backend="nccl") if _on_nccl() else \
+        dict(local_world_size=gpn)
     if key not in _FAMILIES:
         try:
             with tempfile.TemporaryDirectory(prefix="sdp4bit_test_") as d:
                 _FAMILIES[key] = (True, run_distributed(worker, world, args=args + ((d,) if tmpdir else ()),
-                                                        local_world_size=gpn))
+                                                        **how))
         except Exception as e:  # noqa: BLE001 - reported by every test of the family
             _FAMILIES[key] = (False, f"{type(e).__name__}: {e}")
     ok, value = _FAMILIES[key]
@@ -1171,7 +1184,7 @@ def _overflow_worker(rank, world, dtype):
         for name, blk in (("plain", None), ("node", block()), ("full", block(replica="full"))):
             e = du.make_engine(du.base_config(dtype=dtype, sdp4bit=blk))
             du.train_steps(e, 1, rank)
-            loss = e(du.batch(1, 0, rank, micro_batch=e.train_micro_batch_size_per_gpu()))
+            loss = e(du.batch(1, 0, rank, micro_batch=e.train_micro_batch_size_per_gpu()).to(e.device))
             e.backward(loss * bad["nan"] if rank == 1 else loss)
             e.zero_grad()
             losses = du.train_steps(e, 2, rank, start_step=1)
@@ -1366,7 +1379,7 @@ def _launch_worker(rank, world):
         e = du.make_engine(c)
         e.eval()
         with torch.no_grad():
-            res[name] = [float(e(du.batch(s, 0, rank))) for s in range(2)]
+            res[name] = [float(e(du.batch(s, 0, rank).to(e.device))) for s in range(2)]
         res[name + "_summary"] = e.sdp4bit_summary() if blk else None
         res[name + "_secondaries"] = sum(p.ds_secondary_tensor is not None for p in e.module.parameters())
         del e
