@@ -429,7 +429,14 @@ def test_grad_accumulation_and_clipping():
 def _zero_init_worker(rank, world):
     du = _setup()
     res = {}
-    plain = du.make_engine(du.base_config())
+    import deepspeed
+    import torch.distributed as dist
+
+    # plain ZeRO-3 built under zero.Init too: on a GPU zero.Init draws the initial weights on the device, from
+    # another generator than the CPU's.  (DeepSpeed's zero.Init reads the world size from deepspeed.comm, which
+    # deepspeed.initialize or init_distributed sets up: without it, a world of 1 and DeepSpeed's batch-size error)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    plain = du.make_engine(du.base_config(), zero_init=True)
     res["plain"] = du.train_steps(plain, STEPS, rank)
     del plain
     # the hook hands zero.Init the prepared config (hpZ = gpus_per_node for node replicas)
