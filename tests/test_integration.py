@@ -903,12 +903,20 @@ def _check_auto_overlap(runs, streams: bool):
         assert runs[0][lbl]["losses"] == slow["losses"], lbl
 
 
+def _gloo_only():
+    if _on_nccl():
+        pytest.skip(f"the automatic choice as gloo ranks make it (the refresh inside step(), the 'cpu' case); "
+                    f"{NCCL_ENV}=1 runs NCCL ranks: test_automatic_overlap_on_cuda is its GPU counterpart")
+
+
 def test_automatic_overlap_probes_the_link_and_decides_on_every_rank_alike():
+    _gloo_only()
     runs = family(_auto_overlap_worker, CPU_CASES, True)
     _check_auto_overlap(runs, streams=False)   # (gloo: the decision is taken, the refresh stays inside step())
 
 
 def test_automatic_overlap_is_off_without_a_side_stream_and_on_one_node():
+    _gloo_only()
     runs = family(_auto_overlap_worker, CPU_CASES, True)
     for x in runs:   # CPU: nothing to overlap, so nothing probed
         r = x["cpu"]

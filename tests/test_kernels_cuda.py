@@ -37,6 +37,16 @@ def cb():
     return backend
 
 
+@pytest.fixture(scope="module", params=["cuda", "torch-on-cuda"])
+def kb(request):
+    """The backend the reference-matching tests check: the CUDA kernels, and the torch backend given CUDA tensors
+    (the reference's own code, which must round on a GPU as on the CPU: ``kernel_backend: "torch"`` is allowed on
+    any device, and the engine's backend comparisons on a GPU run it)."""
+    if request.param == "torch-on-cuda":
+        return ops.get_backend("torch", torch.device("cuda"))
+    return request.getfixturevalue("cb")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # data
 # ----------------------------------------------------------------------------------------------------------
@@ -148,7 +158,7 @@ OP1_CASES = [
 @pytest.mark.parametrize("case", OP1_CASES, ids=lambda c: f"g{c[0]}-h{c[1]}-n{c[2]}")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_hadamard_quantize_matches_reference(cb, case, bits, rounding):
+def test_hadamard_quantize_matches_reference(kb, case, bits, rounding):
     group, had, ngroups = case
     n = group * ngroups
     key = R.make_key(1234, group, bits) if rounding == "stochastic" else None
@@ -160,7 +170,7 @@ def test_hadamard_quantize_matches_reference(cb, case, bits, rounding):
             p_ref, s_ref = R.hadamard_quantize(x, bits, group, had, rounding, key, offset)
             out = poisoned(n * bits // 8, torch.uint8)
             out_s = poisoned(ngroups, torch.float32)
-            p, s = cb.hadamard_quantize(x.cuda(), bits, group, had, rounding, key, offset, out=out, out_scales=out_s)
+            p, s = kb.hadamard_quantize(x.cuda(), bits, group, had, rounding, key, offset, out=out, out_scales=out_s)
             assert p is out and s is out_s
             tag = f"{kind}/{dtype}/g{group}/h{had}/b{bits}/{rounding}"
             assert_same(s, s_ref, f"scales {tag}")
@@ -245,7 +255,7 @@ OP2_CASES = [(128, None, 7), (128, 256, 7), (128, 2048, 5), (96, 160, 5), (128, 
 @pytest.mark.parametrize("case", OP2_CASES, ids=lambda c: f"in{c[0]}-out{c[1]}-n{c[2]}")
 @pytest.mark.parametrize("in_bits,out_bits", [(8, 4), (4, 4), (8, 8), (4, 8)])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_dequant_sum_requant_matches_reference(cb, case, in_bits, out_bits, rounding):
+def test_dequant_sum_requant_matches_reference(kb, case, in_bits, out_bits, rounding):
     group, ogroup, ngroups = case
     m = group * ngroups
     key = R.make_key(5, in_bits, out_bits) if rounding == "stochastic" else None
@@ -257,7 +267,7 @@ def test_dequant_sum_requant_matches_reference(cb, case, in_bits, out_bits, roun
                                                  ogroup)
             out = poisoned(p_ref.numel(), torch.uint8)
             out_s = poisoned(s_ref.numel(), torch.float32)
-            p, s = cb.dequant_sum_requant(payloads.cuda(), scales.cuda(), in_bits, out_bits, group, rounding, key,
+            p, s = kb.dequant_sum_requant(payloads.cuda(), scales.cuda(), in_bits, out_bits, group, rounding, key,
                                           offset, ogroup, out=out, out_scales=out_s)
             tag = f"k{k}/{kind}/in{group}/out{ogroup}/{in_bits}->{out_bits}/{rounding}"
             assert_same(s, s_ref, f"scales {tag}")
@@ -267,7 +277,7 @@ def test_dequant_sum_requant_matches_reference(cb, case, in_bits, out_bits, roun
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("had", [None, 32, 256])
 @pytest.mark.parametrize("out_dtype", DTYPES)
-def test_dequant_sum_inverse_hadamard_matches_reference(cb, bits, had, out_dtype):
+def test_dequant_sum_inverse_hadamard_matches_reference(kb, bits, had, out_dtype):
     group, m = 128, 256 * 7
     for k in (1, 4):
         for kind in ("quantized", "bytes"):
@@ -275,12 +285,12 @@ def test_dequant_sum_inverse_hadamard_matches_reference(cb, bits, had, out_dtype
             for post_scale in (1.0, 1.0 / 3.0, 0.25):
                 ref = R.dequant_sum_inverse_hadamard(payloads, scales, bits, group, had, out_dtype, post_scale)
                 tag = f"k{k}/{kind}/b{bits}/h{had}/{out_dtype}/ps{post_scale}"
-                got = cb.dequant_sum_inverse_hadamard(payloads.cuda(), scales.cuda(), bits, group, had, out_dtype,
+                got = kb.dequant_sum_inverse_hadamard(payloads.cuda(), scales.cuda(), bits, group, had, out_dtype,
                                                       post_scale)
                 assert_same(got, ref, f"out {tag}")
                 # out= larger than m, misaligned: only the first m elements are written
                 buf = poisoned(m + 5, out_dtype, offset=1)
-                got = cb.dequant_sum_inverse_hadamard(payloads.cuda(), scales.cuda(), bits, group, had,
+                got = kb.dequant_sum_inverse_hadamard(payloads.cuda(), scales.cuda(), bits, group, had,
                                                       post_scale=post_scale, out=buf)
                 assert got is buf
                 assert_same(buf[:m], ref, f"out= {tag}")
@@ -294,7 +304,7 @@ def test_dequant_sum_inverse_hadamard_matches_reference(cb, bits, had, out_dtype
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("mode", ["diff", "direct"])
-def test_weight_delta_quantize_and_dequant_add(cb, group, bits, rounding, mode):
+def test_weight_delta_quantize_and_dequant_add(kb, group, bits, rounding, mode):
     key = R.make_key(77, group, bits) if rounding == "stochastic" else None
     for n in (group * 5, group * 5 - 3, 1001):
         for rdt in DTYPES:
@@ -314,7 +324,7 @@ def test_weight_delta_quantize_and_dequant_add(cb, group, bits, rounding, mode):
                 rep = rbuf[misalign:]
                 out = poisoned(p_ref.numel(), torch.uint8, offset=misalign)
                 out_s = poisoned(s_ref.numel(), torch.float32)
-                p, s = cb.weight_delta_quantize(mbuf[misalign:], rep, bits, group, rounding, key, 3, mode,
+                p, s = kb.weight_delta_quantize(mbuf[misalign:], rep, bits, group, rounding, key, 3, mode,
                                                 out=out, out_scales=out_s)
                 tag = f"n{n}/{rdt}/g{group}/b{bits}/{rounding}/{mode}/mis{misalign}"
                 assert_same(s, s_ref, f"scales {tag}")
@@ -324,7 +334,7 @@ def test_weight_delta_quantize_and_dequant_add(cb, group, bits, rounding, mode):
                 # op 5: a receiver applying the same payload reaches the owner's replica bit for bit
                 recv = replica.cuda()
                 recv_ref = R.dequant_add_(replica.clone(), p_ref, s_ref, bits, group, mode)
-                res = cb.dequant_add_(recv, p_ref.cuda(), s_ref.cuda(), bits, group, mode)
+                res = kb.dequant_add_(recv, p_ref.cuda(), s_ref.cuda(), bits, group, mode)
                 assert res is recv
                 assert_same(recv, recv_ref, f"dequant_add_ {tag}")
                 assert_same(recv, rep_ref, f"dequant_add_ vs owner {tag}")
@@ -353,7 +363,7 @@ def test_dequant_add_misaligned_and_arbitrary_bytes(cb):
 @pytest.mark.parametrize("group", [64, 2048])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("mode", ["diff", "direct"])
-def test_dequant_add_segments_matches_reference(cb, group, bits, mode):
+def test_dequant_add_segments_matches_reference(kb, group, bits, mode):
     """Layouts of test_segments.segment_layout (odd offsets, one-element pieces, a long piece over several tiles
     on the vector path), every dtype, buffers aligned or not: the reference's bits, gaps untouched."""
     from test_segments import segment_layout
@@ -375,7 +385,7 @@ def test_dequant_add_segments_matches_reference(cb, group, bits, mode):
             pbuf = torch.empty(payload.numel() + mis_pay, dtype=torch.uint8, device="cuda")
             pbuf[mis_pay:] = payload.cuda()
             plan = make_segment_plan(so, do, ln, dst)
-            res = cb.dequant_add_segments_(dst, pbuf[mis_pay:], scales.cuda(), bits, group, mode, plan)
+            res = kb.dequant_add_segments_(dst, pbuf[mis_pay:], scales.cuda(), bits, group, mode, plan)
             assert res is dst
             assert_same(dst, want, f"segments {rdt}/g{group}/b{bits}/{mode}/mis{mis_dst}{mis_pay}")
 
