@@ -490,6 +490,23 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
             raise SDP4BitConfigError(f"zero_optimization.{key}.device={device!r} is not supported by sdp4bit "
                                      f"yet (the replica and master shards must live on the accelerator); "
                                      f"use 'none'")
+    # (DeepSpeed also reads the bf16 block under its old name, "bfloat16")
+    for block, key in (("bf16", "bf16_master_weights_and_grads"), ("bfloat16", "bf16_master_weights_and_grads"),
+                       ("fp16", "fp16_master_weights_and_grads")):
+        if cfg.weights.enabled and _get(ds_config, block, key) is True:
+            raise SDP4BitConfigError(f"{block}.{key} keeps the optimizer's master weights in 16 bits; "
+                                     f"sdp4bit.weights sends the difference between an fp32 master and the bf16 "
+                                     f"replica and needs the fp32 master: set it to false, or sdp4bit.weights.enabled "
+                                     f"to false")
+    if _get(ds_config, "compile", "deepcompile") is True:
+        raise SDP4BitConfigError("compile.deepcompile replaces ZeRO-3's gradient hooks and parameter gathers with "
+                                 "its own passes, which sdp4bit does not hook (its collectives would be bypassed): "
+                                 "set it to false, or remove the sdp4bit block")
+    tp = _get(ds_config, "tensor_parallel", "autotp_size", default=1)
+    if tp not in (None, 0, 1):
+        raise SDP4BitConfigError(f"tensor_parallel.autotp_size={tp!r}: model parallelism together with sdp4bit is "
+                                 f"not supported yet (the data-parallel group must be the whole world); remove it "
+                                 f"or the sdp4bit block")
     hpz = zero.get("zero_hpz_partition_size", 1)
     if cfg.weights.enabled and cfg.weights.replica == "full" and hpz not in (None, 1):
         raise SDP4BitConfigError(f"sdp4bit.weights.replica='full' keeps all weights on every rank; "

@@ -143,6 +143,7 @@ def install() -> bool:
         "checkpoint_event_epilogue": _checkpoint_event_epilogue,
         "refresh_fp32_params": _waiting_first,
         "_restore_from_bit16_weights": _waiting_first,
+        "empty_partition_cache": _empty_partition_cache,
     }
     for name, factory in patches.items():
         orig = S3.__dict__.get(name)
@@ -1136,8 +1137,10 @@ class SDP4BitState:
         # non-finite global norm); a quantizer may turn an inf into finite garbage on the way, so look at the
         # local inputs while they are still exact, in every dtype.  The flag stays on the device (no host
         # sync here); has_overflow (fp16) or flag_nonfinite_for_norm (bf16/fp32) hands it to DeepSpeed.
-        # one fused pass, no sync; fp32 norms, so a large but finite fp16 gradient does not read as inf
-        bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))).all()
+        # one fused pass, no sync; fp64 norms, as DeepSpeed's own: an fp32 norm reads inf for a finite gradient
+        # whose norm passes 3.4e38 (a single bf16 value of 1e20 does), and the step would be skipped where plain
+        # ZeRO-3 takes it
+        bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))).all()
         self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
         # error feedback only: the bucket's residual is named by its parameters (no per-parameter work otherwise)
         rkey = tuple(getattr(p, "ds_id", id(p)) for p in params) if self.reducer.residuals is not None else None
@@ -1761,6 +1764,22 @@ def _waiting_first(orig):
     return waiting
 
 
+def _empty_partition_cache(orig):
+    # engine.empty_partition_cache() (e.g. between generation and training in RLHF loops) releases every gathered
+    # parameter.  A full replica is persistent by design, so nothing of it is freed, and a parameter left released
+    # would make the next forward gather a second, unquantized copy of the model: point them back at the replica.
+    @functools.wraps(orig)
+    def empty_partition_cache(self):
+        st = _active(self)
+        if st is not None:
+            st.wait()
+        orig(self)
+        if st is not None:
+            st.point_params()
+
+    return empty_partition_cache
+
+
 def _checkpoint_event_epilogue(orig):
     # DeepSpeed (after save and load): drop the secondaries and re-gather the persistent params from the
     # primary partitions.  We instead re-synchronise every replica exactly from the owners' bf16 partitions
@@ -1770,6 +1789,10 @@ def _checkpoint_event_epilogue(orig):
         st = _active(self)
         if st is None or st.weights is None:
             return orig(self)
+        # a load writes the partitions' padding as it was saved: uninitialized memory in a checkpoint that held
+        # no replica (plain ZeRO-3, or SDP4Bit without weights), where a huge value or a NaN would set the scale of
+        # its quantization group in every later refresh
+        st.replica.zero_padding(self)
         st.resync(self)
         if st.level == "full":
             # as DeepSpeed does: any hpZ secondary partition is DeepSpeed's own here (the node replica is one,

@@ -489,6 +489,31 @@ def _checkpoint_worker(rank, world, ckpt_dir):
         res["resumed"] = du.train_steps(resumed, 3, rank, start_step=STEPS)
         del resumed
         out[case] = res
+    # a plain ZeRO-3 checkpoint resumed with SDP4Bit on (a user turning it on mid-run).  DeepSpeed leaves the
+    # partitions' padding uninitialized and a load writes it back as saved: poisoned with NaN here (garbage as
+    # it may be), it must not reach a quantization group of the replica refresh
+    d = os.path.join(ckpt_dir, "plain")
+    plain = du.make_engine(du.base_config(), d=30)   # width 30: parameters of 30 elements leave padding at 4 ranks
+    du.train_steps(plain, STEPS, rank)
+    opt = plain.optimizer
+    for i, group in enumerate(opt.fp16_groups):
+        off = 0
+        for p in group:
+            P = p.ds_tensor.ds_numel
+            real = max(0, min(P, p.ds_numel - rank * P))
+            for flat in (opt.fp16_partitioned_groups_flat[i], opt.fp32_partitioned_groups_flat[i]):
+                flat.data[off + real:off + P] = float("nan")
+            off += P
+    out["padding_poisoned"] = any(torch.isnan(f).any().item() for f in opt.fp32_partitioned_groups_flat)
+    plain.save_checkpoint(d, tag="t")
+    out["plain_resumed"] = du.train_steps(plain, 3, rank, start_step=STEPS)
+    del plain
+    for replica in ("node", "full"):
+        e = du.make_engine(du.base_config(sdp4bit=block(replica=replica)), seed=7, d=30)
+        e.load_checkpoint(d, tag="t")
+        out["from_plain_" + replica] = {"losses": du.train_steps(e, 3, rank, start_step=STEPS),
+                                        "finite": _finite(e), "replicas": _replica_report(e)}
+        del e
     return out
 
 
@@ -511,6 +536,18 @@ def test_checkpoint_resume_equals_uninterrupted(replica):
             assert _same_bits(s[what], b[what]) and _same_bits(l[what], s[what])
     check = _check_full_replicas if replica == "full" else _check_node_replicas
     check(runs, "after_load")
+
+
+def test_plain_zero3_checkpoint_resumed_with_sdp4bit():
+    runs = family(_checkpoint_worker, tmpdir=True)
+    assert any(r["padding_poisoned"] for r in runs), "no rank had padding to poison: the test checks nothing"
+    for replica in ("node", "full"):
+        for r in runs:
+            x = r["from_plain_" + replica]
+            assert x["finite"], replica
+            _close(x["losses"], r["plain_resumed"], 3e-2)
+        check = _check_full_replicas if replica == "full" else _check_node_replicas
+        check([{"x": r["from_plain_" + replica]["replicas"]} for r in runs], "x")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -601,6 +638,13 @@ def _full_worker(rank, world, backend, steps, gathered):
     res["nested_resyncs"], res["nested_expect"] = len(calls), expect3
     res["nested_value"] = rep[id(outer)].detach().clone().view(outer.ds_shape)
     res["nested_replicas"] = _replica_report(e)
+    # engine.empty_partition_cache(): the replica is persistent, so the params stay pointed at it (no second copy
+    # gathered by the next forward), and nothing is resynced
+    calls.clear()
+    e.empty_partition_cache()
+    res["epc_resyncs"], res["epc_pointers"] = len(calls), _pointers(e)
+    res["epc_step"] = du.train_steps(e, 1, rank, start_step=steps + 2)
+    res["epc_step_pointers"], res["epc_replicas"] = _pointers(e), _replica_report(e)
     rep.resync = resync
     res["finite"] = _finite(e)
     return res
@@ -656,6 +700,9 @@ def test_full_replica_across_gathered_parameters():
     for r in runs:
         assert r["nested_resyncs"] == 0 and torch.equal(r["nested_value"], runs[0]["nested_expect"])
     _check_full_replicas(runs, "nested_replicas")
+    for r in runs:
+        assert r["epc_resyncs"] == 0 and all(r["epc_pointers"].values()) and all(r["epc_step_pointers"].values())
+    _check_full_replicas(runs, "epc_replicas")
 
 
 def test_full_replica_triton_bit_identical_to_torch():
@@ -1151,7 +1198,7 @@ def test_pipeline_chunks_in_the_engine(variant):
 def _overflow_worker(rank, world, dtype):
     du = _setup()
     res = {}
-    bad = {"inf": float("inf"), "nan": float("nan")}
+    bad = {"inf": float("inf"), "nan": float("nan"), "huge": 1e20}
     variants = [("plain", None, "inf"), ("node", block(), "inf"), ("full", block(replica="full"), "inf")]
     if dtype == "bf16":   # error feedback (not with fp16): the skipped step leaves no residual behind
         variants.append(("node_ef", block(gradients={"error_feedback": True}), "inf"))
@@ -1159,6 +1206,9 @@ def _overflow_worker(rank, world, dtype):
         # bf16: a NaN too, and a reducer that turns the inf into finite garbage (as a quantizer may): the skip
         # must then come from SDP4Bit's check of the exact local gradients, not from DeepSpeed's norm
         variants += [("node_nan", block(), "nan"), ("garbage", block(), "inf")]
+        # a finite gradient whose norm passes fp32's range (a bf16 loss times 1e20): plain ZeRO-3 takes the step
+        # (its norm is fp64), and so must SDP4Bit's check of the local gradients
+        variants += [("plain_huge", None, "huge"), ("node_huge", block(), "huge")]
     for name, blk, what in variants:
         def inject(loss, step, micro, what=what):
             return loss * bad[what] if (step == 1 and rank == 1) else loss
@@ -1255,6 +1305,12 @@ def test_bf16_nonfinite_gradient_skips_the_step():
     # the garbage reducer really saw the inf (rank 1) and hid it: DeepSpeed's own check could not catch it
     assert any(runs[1]["garbage"]["garbage"])
     assert not any(any(r["garbage"]["garbage"]) for i, r in enumerate(runs) if i != 1)
+    # a huge but finite gradient: no step skipped, by plain ZeRO-3 nor by SDP4Bit, and the norm seen is finite
+    for r in runs:
+        p, q = r["plain_huge"], r["node_huge"]
+        assert p["skipped"] == [0, 0, 0, 0] and q["skipped"] == p["skipped"], (p["skipped"], q["skipped"])
+        assert 1e19 < p["norm"][1] < float("inf") and 1e19 < q["norm"][1] < float("inf"), (p["norm"], q["norm"])
+        assert q["summary_skipped"] == [False] * 4 and q["finite"]
 
 
 @pytest.mark.fp16
@@ -1437,6 +1493,11 @@ def _initialize(config):
     pytest.param(lambda c: (c["sdp4bit"].update(gradients={"error_feedback": True}), c.pop("bf16", None),
                             c.update(fp16={"enabled": True})), r"gradients.error_feedback does not support fp16",
                  marks=pytest.mark.fp16),   # refused before DeepSpeed could refuse fp16 itself
+    # DeepSpeed trains these; SDP4Bit's weights (fp32 master minus replica) or hooks cannot
+    (lambda c: c["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True),
+     "bf16.bf16_master_weights_and_grads"),
+    (lambda c: c.update(compile={"deepcompile": True}), "compile.deepcompile"),
+    (lambda c: c.update(tensor_parallel={"autotp_size": 2}), "tensor_parallel.autotp_size=2"),
 ])
 def test_config_errors_name_the_key(mutate, needle):
     from deepspeed_sdp4bit import SDP4BitConfigError
