@@ -532,7 +532,8 @@ def _make_initialize(orig_initialize):
         for line in plan.notes if plan.off_reason is None else []:
             _say(line)
         if not cfg.active:
-            if plan.off_reason is not None:   # plain configs are DeepSpeed's business, untouched
+            # plain configs are DeepSpeed's business, untouched, but for an hpZ group SDP4Bit made DeepSpeed build
+            if plan.off_reason is not None or _caused_hpz_cached():
                 _prepare_hpz_group(ds_config)
             result = orig_initialize(*bound.args, **bound.kwargs)
             if plan.off_reason is not None:
@@ -547,7 +548,9 @@ def _make_initialize(orig_initialize):
                 a["args"].deepspeed_config = None
             a["config"] = config_for_ds
             _prepare_hpz_group(config_for_ds)
-            return orig_initialize(*bound.args, **bound.kwargs)
+            out = orig_initialize(*bound.args, **bound.kwargs)
+            _note_caused_hpz(ds_config, config_for_ds)
+            return out
 
         if a.get("optimizer") is None and not ds_config.get("optimizer") and not _partitioned(a.get("model")):
             # no optimizer (a forward-only engine, e.g. a reference model) and a model zero.Init did not
@@ -617,6 +620,9 @@ def _make_zero_init(orig_init):
                 cached = groups._get_zero_param_intra_parallel_group()
                 if cached is not None and a.get("zero_param_parallel_group") is None:
                     a["zero_param_parallel_group"] = cached
+                out = orig_init(*bound.args, **bound.kwargs)
+                _note_caused_hpz(ds_config, new_config)
+                return out
         return orig_init(*bound.args, **bound.kwargs)
 
     __init__._sdp4bit_wrapped = True
@@ -671,6 +677,32 @@ def _make_gathered_exit(orig_exit):
     return __exit__
 
 
+_CAUSED_HPZ = [None]   # the hpZ group DeepSpeed built for a config SDP4Bit prepared, where the user's asked for none
+
+
+def _hpz_size(ds_config: Dict[str, Any]) -> int:
+    return (ds_config.get("zero_optimization") or {}).get("zero_hpz_partition_size", 1) or 1
+
+
+def _note_caused_hpz(user_config: Dict[str, Any], prepared: Dict[str, Any]) -> None:
+    """After DeepSpeed built an engine or a zero.Init from ``prepared``: remember its hpZ group if SDP4Bit asked
+    for it (the node replica) and the user did not."""
+    from deepspeed.utils import groups
+
+    if _hpz_size(prepared) > 1 and _hpz_size(user_config) <= 1:
+        _CAUSED_HPZ[0] = groups._get_zero_param_intra_parallel_group()
+
+
+def _caused_hpz_cached() -> bool:
+    """Whether DeepSpeed's cached hpZ group is one SDP4Bit caused: a later plain engine must not adopt it (its
+    parameters would get hpZ copies the user never asked for, with DeepSpeed's stale-copy resume of frozen
+    parameters)."""
+    from deepspeed.utils import groups
+
+    cached = groups._get_zero_param_intra_parallel_group()
+    return cached is not None and cached is _CAUSED_HPZ[0]
+
+
 def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:
     """Drop DeepSpeed's cached hpZ group unless the engine about to be built wants one of that size.
 
@@ -683,7 +715,7 @@ def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:
     from deepspeed.utils import groups
     import torch.distributed as tdist
 
-    hpz = (ds_config.get("zero_optimization") or {}).get("zero_hpz_partition_size", 1) or 1
+    hpz = _hpz_size(ds_config)
     cached = groups._get_zero_param_intra_parallel_group()
     if cached is not None and (hpz <= 1 or tdist.get_world_size(cached) != hpz):
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
@@ -1524,6 +1556,8 @@ def _saved_dp_world_size(engine, load_dir: str, tag) -> Tuple[Optional[int], Opt
 def _engine_load_checkpoint(orig):
     # DeepSpeed checks the world size only when it reaches the optimizer shards, after loading the module
     # (where a frozen parameter's fragment of another size fails first, with a tensor-size message).
+    sig = inspect.signature(orig)
+
     @functools.wraps(orig)
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         st = get_state(self.optimizer) if getattr(self, "optimizer", None) is not None else None
@@ -1548,7 +1582,14 @@ def _engine_load_checkpoint(orig):
                     f"start a new run from them with {cur} ranks (the optimizer state is not carried over)")
         if st is not None:
             st.wait()   # the module's weights are loaded before the optimizer's prologue runs
-        return orig(self, load_dir, tag, *args, **kwargs)
+        out = orig(self, load_dir, tag, *args, **kwargs)
+        a = sig.bind(self, load_dir, tag, *args, **kwargs).arguments
+        if st is not None and out is not None and out[0] is not None and a.get("load_module_only", False) is not True \
+                and a.get("load_optimizer_states", True) is False:
+            # SDP4Bit's step (the rounding streams' step word, inter8_steps' count) is saved in the optimizer
+            # state, not read here: take DeepSpeed's step count, which counts skipped steps too, as ours does
+            st.step = int(self.global_steps)
+        return out
 
     return load_checkpoint
 

@@ -488,13 +488,23 @@ def _checkpoint_worker(rank, world, ckpt_dir):
         res["frozen_outside"] = sum(id(p) not in resumed.sdp4bit.replica for p in resumed.module.parameters())
         res["resumed"] = du.train_steps(resumed, 3, rank, start_step=STEPS)
         del resumed
+        if case == "node":   # without the optimizer state (where SDP4Bit saves its step): DeepSpeed's step count
+            fresh = du.make_engine(cfg, seed=7, frozen=frozen)
+            fresh.load_checkpoint(d, tag="t", load_optimizer_states=False)
+            res["no_optimizer_step"] = (fresh.sdp4bit.step, fresh.global_steps)
+            del fresh
         out[case] = res
     # a plain ZeRO-3 checkpoint resumed with SDP4Bit on (a user turning it on mid-run).  DeepSpeed leaves the
     # partitions' padding uninitialized and a load writes it back as saved: poisoned with NaN here (garbage as
     # it may be), it must not reach a quantization group of the replica refresh
+    # ... and frozen parameters, built right after a node-replica engine: DeepSpeed's cached hpZ group, which
+    # SDP4Bit had it build, must not be adopted by this plain engine (its frozen parameters' hpZ copies once
+    # kept the fresh engine's initial weights through the load)
+    node = du.make_engine(du.base_config(sdp4bit=block(replica="node")), d=30)
+    del node
     d = os.path.join(ckpt_dir, "plain")
-    plain = du.make_engine(du.base_config(), d=30)   # width 30: parameters of 30 elements leave padding at 4 ranks
-    du.train_steps(plain, STEPS, rank)
+    plain = du.make_engine(du.base_config(), d=30, frozen=FROZEN)   # width 30: parameters of 30 elements leave
+    du.train_steps(plain, STEPS, rank)                              # padding at 4 ranks
     opt = plain.optimizer
     for i, group in enumerate(opt.fp16_groups):
         off = 0
@@ -507,9 +517,14 @@ def _checkpoint_worker(rank, world, ckpt_dir):
     out["padding_poisoned"] = any(torch.isnan(f).any().item() for f in opt.fp32_partitioned_groups_flat)
     plain.save_checkpoint(d, tag="t")
     out["plain_resumed"] = du.train_steps(plain, 3, rank, start_step=STEPS)
+    out["plain_secondaries"] = sum(p.ds_secondary_tensor is not None for p in plain.module.parameters())
     del plain
+    again = du.make_engine(du.base_config(), seed=7, d=30, frozen=FROZEN)
+    again.load_checkpoint(d, tag="t")
+    out["plain_again"] = du.train_steps(again, 3, rank, start_step=STEPS)
+    del again
     for replica in ("node", "full"):
-        e = du.make_engine(du.base_config(sdp4bit=block(replica=replica)), seed=7, d=30)
+        e = du.make_engine(du.base_config(sdp4bit=block(replica=replica)), seed=7, d=30, frozen=FROZEN)
         e.load_checkpoint(d, tag="t")
         out["from_plain_" + replica] = {"losses": du.train_steps(e, 3, rank, start_step=STEPS),
                                         "finite": _finite(e), "replicas": _replica_report(e)}
@@ -524,6 +539,7 @@ def test_checkpoint_resume_equals_uninterrupted(replica):
     assert all((r["frozen_outside"] > 0) == replica.endswith("_frozen") for r in runs)
     for r in runs:
         assert r["resumed_step"] == STEPS
+        assert replica != "node" or r["no_optimizer_step"] == (STEPS, STEPS), r["no_optimizer_step"]
     if replica == "full":
         assert all(r["hpz_secondaries"] == 0 for r in runs), "an hpZ group of an earlier engine leaked in"
     # replicas, master, optimizer state and the rounding streams all come back: identical losses
@@ -541,6 +557,9 @@ def test_checkpoint_resume_equals_uninterrupted(replica):
 def test_plain_zero3_checkpoint_resumed_with_sdp4bit():
     runs = family(_checkpoint_worker, tmpdir=True)
     assert any(r["padding_poisoned"] for r in runs), "no rank had padding to poison: the test checks nothing"
+    # the plain engine built after a node-replica one: no hpZ copies, and its own resume exact
+    assert all(r["plain_secondaries"] == 0 for r in runs)
+    _close(runs[0]["plain_again"], runs[0]["plain_resumed"], 1e-6)
     for replica in ("node", "full"):
         for r in runs:
             x = r["from_plain_" + replica]
