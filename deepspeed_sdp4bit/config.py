@@ -469,6 +469,14 @@ def _get(d: Dict[str, Any], *path, default=None):
     return d
 
 
+def _ds_true(value: Any) -> bool:
+    """Whether DeepSpeed's (lax, pydantic) config models read ``value`` as true: ``true``, a non-zero number, or a
+    string such as "true", "1", "yes", "on"."""
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "y", "on", "t")
+    return isinstance(value, (bool, int, float)) and bool(value)
+
+
 def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) -> None:
     """Refuse ds_config combinations that sdp4bit does not support, naming the key."""
     if not cfg.active:
@@ -493,17 +501,21 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
     # (DeepSpeed also reads the bf16 block under its old name, "bfloat16")
     for block, key in (("bf16", "bf16_master_weights_and_grads"), ("bfloat16", "bf16_master_weights_and_grads"),
                        ("fp16", "fp16_master_weights_and_grads")):
-        if cfg.weights.enabled and _get(ds_config, block, key) is True:
+        if cfg.weights.enabled and _ds_true(_get(ds_config, block, key)):
             raise SDP4BitConfigError(f"{block}.{key} keeps the optimizer's master weights in 16 bits; "
                                      f"sdp4bit.weights sends the difference between an fp32 master and the bf16 "
                                      f"replica and needs the fp32 master: set it to false, or sdp4bit.weights.enabled "
                                      f"to false")
-    if _get(ds_config, "compile", "deepcompile") is True:
+    if _ds_true(_get(ds_config, "compile", "deepcompile")):
         raise SDP4BitConfigError("compile.deepcompile replaces ZeRO-3's gradient hooks and parameter gathers with "
                                  "its own passes, which sdp4bit does not hook (its collectives would be bypassed): "
                                  "set it to false, or remove the sdp4bit block")
     tp = _get(ds_config, "tensor_parallel", "autotp_size", default=1)
-    if tp not in (None, 0, 1):
+    try:   # (read as DeepSpeed's config model does: "2" is 2; what it cannot read, DeepSpeed refuses itself)
+        tp_size = int(tp) if tp is not None and not isinstance(tp, bool) else 1
+    except (TypeError, ValueError):
+        tp_size = 1
+    if tp_size > 1:
         raise SDP4BitConfigError(f"tensor_parallel.autotp_size={tp!r}: model parallelism together with sdp4bit is "
                                  f"not supported yet (the data-parallel group must be the whole world); remove it "
                                  f"or the sdp4bit block")
@@ -512,7 +524,7 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
         raise SDP4BitConfigError(f"sdp4bit.weights.replica='full' keeps all weights on every rank; "
                                  f"zero_optimization.zero_hpz_partition_size={hpz} makes no sense with it "
                                  f"(remove it or use replica='node')")
-    if cfg.gradients.enabled and cfg.gradients.error_feedback and _get(ds_config, "fp16", "enabled") is True:
+    if cfg.gradients.enabled and cfg.gradients.error_feedback and _ds_true(_get(ds_config, "fp16", "enabled")):
         raise SDP4BitConfigError("sdp4bit.gradients.error_feedback does not support fp16 yet (its residuals would "
                                  "carry the loss scale of the step that made them): use bf16, or set "
                                  "error_feedback to false")

@@ -1132,6 +1132,7 @@ class SDP4BitState:
             self.weights = WeightDeltaAllGather(self.topology, cfg.weights, cfg.seed, backend=cfg.backend_name,
                                                 level=self.level)
         self.step = 0
+        self.step_restored = False   # set by a checkpoint load that read SDP4Bit's own step
         self.bucket = 0
         self.nonfinite: Optional[torch.Tensor] = None   # bool [] "a local gradient was not finite"
         self.last_summary: Dict[str, Any] = {}
@@ -1170,8 +1171,8 @@ class SDP4BitState:
         # local inputs while they are still exact, in every dtype.  The flag stays on the device (no host
         # sync here); has_overflow (fp16) or flag_nonfinite_for_norm (bf16/fp32) hands it to DeepSpeed.
         # one fused pass, no sync; fp64 norms, as DeepSpeed's own: an fp32 norm reads inf for a finite gradient
-        # whose norm passes 3.4e38 (a single bf16 value of 1e20 does), and the step would be skipped where plain
-        # ZeRO-3 takes it
+        # whose sum of squares passes 3.4e38 (a norm above 1.8e19: a bf16 loss times 1e20 gives one), and the
+        # step would be skipped where plain ZeRO-3 takes it
         bad = ~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64))).all()
         self.nonfinite = bad if self.nonfinite is None else (self.nonfinite | bad)
         # error feedback only: the bucket's residual is named by its parameters (no per-parameter work otherwise)
@@ -1582,12 +1583,13 @@ def _engine_load_checkpoint(orig):
                     f"start a new run from them with {cur} ranks (the optimizer state is not carried over)")
         if st is not None:
             st.wait()   # the module's weights are loaded before the optimizer's prologue runs
+            st.step_restored = False
         out = orig(self, load_dir, tag, *args, **kwargs)
         a = sig.bind(self, load_dir, tag, *args, **kwargs).arguments
-        if st is not None and out is not None and out[0] is not None and a.get("load_module_only", False) is not True \
-                and a.get("load_optimizer_states", True) is False:
-            # SDP4Bit's step (the rounding streams' step word, inter8_steps' count) is saved in the optimizer
-            # state, not read here: take DeepSpeed's step count, which counts skipped steps too, as ours does
+        if st is not None and out[0] is not None and not a.get("load_module_only") and not st.step_restored:
+            # SDP4Bit's step (the rounding streams' step word, inter8_steps' count) comes with the optimizer
+            # state; where none was read (load_optimizer_states false) or it had no SDP4Bit entry (a plain
+            # ZeRO-3 checkpoint) take DeepSpeed's step count, which counts skipped steps too, as ours does
             st.step = int(self.global_steps)
         return out
 
@@ -1776,7 +1778,8 @@ def _rigid_load_state_dict(orig):
             st.reducer.residuals.clear()   # error feedback: a loaded state starts with no residual
         if st is None or extra is None:
             return
-        st.step = int(extra.get("step", st.step))
+        if "step" in extra:
+            st.step, st.step_restored = int(extra["step"]), True
         saved = extra.get("replica_partitions")
         if st.weights is not None and saved is not None:
             flats = self.fp16_partitioned_groups_flat
@@ -1830,6 +1833,7 @@ def _checkpoint_event_epilogue(orig):
         st = _active(self)
         if st is None or st.weights is None:
             return orig(self)
+        st.wait()
         # a load writes the partitions' padding as it was saved: uninitialized memory in a checkpoint that held
         # no replica (plain ZeRO-3, or SDP4Bit without weights), where a huge value or a NaN would set the scale of
         # its quantization group in every later refresh

@@ -198,7 +198,8 @@ def scales_from_absmax(absmax: torch.Tensor, bits: int) -> torch.Tensor:
     """fp32 group scales ``absmax / qmax`` (one IEEE fp32 division each), NaN/inf propagated.
 
     The divisor is a tensor of absmax's shape and device: torch on CUDA divides by a scalar (a Python number or a
-    0-dim CPU tensor) as a multiply by its reciprocal, an ulp off the division in about 3% of the scales."""
+    0-dim CPU tensor) as a multiply by its reciprocal, an ulp off the division in some scales (emulated on the
+    CPU over 10^7 values: 4.5% of them for qmax 127, 54% for qmax 7)."""
     return absmax / torch.full_like(absmax, float(qmax_for_bits(bits)), dtype=torch.float32)
 
 

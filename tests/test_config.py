@@ -113,6 +113,36 @@ def test_unsupported_ds_config_combinations(zero, match):
         parse_ds_config(cfg)
 
 
+@pytest.mark.parametrize("top, match", [
+    # DeepSpeed reads its own keys laxly (pydantic): "true", 1 and "2" count as they would there
+    ({"bf16": {"enabled": True, "bf16_master_weights_and_grads": "true"}}, "bf16.bf16_master_weights_and_grads"),
+    ({"bfloat16": {"enabled": True, "bf16_master_weights_and_grads": 1}}, "bfloat16.bf16_master_weights_and_grads"),
+    ({"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads"),
+    ({"compile": {"deepcompile": "yes"}}, "compile.deepcompile"),
+    ({"tensor_parallel": {"autotp_size": "2"}}, "tensor_parallel.autotp_size='2'"),
+])
+def test_ds_features_sdp4bit_cannot_follow_are_refused(top, match):
+    cfg = {**_zero3(), **top, "sdp4bit": {}}
+    with pytest.raises(SDP4BitConfigError, match=re.escape(match)):
+        parse_ds_config(cfg)
+
+
+@pytest.mark.parametrize("top", [
+    {"bf16": {"enabled": True, "bf16_master_weights_and_grads": False}},
+    {"compile": {"deepcompile": "false"}},
+    {"tensor_parallel": {"autotp_size": 1}},
+    {"tensor_parallel": {"autotp_size": "0"}},
+])
+def test_ds_features_off_are_accepted(top):
+    assert parse_ds_config({**_zero3(), **top, "sdp4bit": {}}).active
+
+
+def test_master_weights_in_16_bits_allowed_without_sdp4bit_weights():
+    cfg = {**_zero3(), "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+           "sdp4bit": {"weights": {"enabled": False}}}
+    assert parse_ds_config(cfg).active   # the gradient path alone needs no fp32 master
+
+
 def test_hpz_must_match_gpus_per_node_for_node_replica():
     cfg = {**_zero3(zero_hpz_partition_size=4), "sdp4bit": {"topology": {"gpus_per_node": 2}}}
     with pytest.raises(SDP4BitConfigError, match="zero_hpz_partition_size"):
