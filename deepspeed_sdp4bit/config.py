@@ -477,6 +477,22 @@ def _ds_true(value: Any) -> bool:
     return isinstance(value, (bool, int, float)) and bool(value)
 
 
+def ds_int(value: Any, default: int = 1) -> int:
+    """An integer key of DeepSpeed's own config as its (lax, pydantic) models read it: "2" and 2.0 are 2; absent
+    (None) is ``default``; what they cannot read is left to DeepSpeed to refuse (``default`` here)."""
+    if value is None:
+        return default
+    try:
+        return int(value) if not isinstance(value, str) else int(value.strip())
+    except (TypeError, ValueError):
+        return default
+
+
+def hpz_size(ds_config: Dict[str, Any]) -> int:
+    """``zero_optimization.zero_hpz_partition_size`` as DeepSpeed reads it (1: no hpZ)."""
+    return max(1, ds_int((ds_config.get("zero_optimization") or {}).get("zero_hpz_partition_size"), 1))
+
+
 def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) -> None:
     """Refuse ds_config combinations that sdp4bit does not support, naming the key."""
     if not cfg.active:
@@ -489,7 +505,7 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
         raise SDP4BitConfigError(f"sdp4bit needs zero_optimization.stage = 3 (sharded data parallelism), "
                                  f"got {zero.get('stage', 0)!r}")
     for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
-        if zero.get(key):
+        if _ds_true(zero.get(key)):
             raise SDP4BitConfigError(f"zero_optimization.{key} (ZeRO++) cannot be combined with sdp4bit: both "
                                      f"replace the same collective; remove one of them")
     for key in ("offload_param", "offload_optimizer"):
@@ -511,16 +527,12 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
                                  "its own passes, which sdp4bit does not hook (its collectives would be bypassed): "
                                  "set it to false, or remove the sdp4bit block")
     tp = _get(ds_config, "tensor_parallel", "autotp_size", default=1)
-    try:   # (read as DeepSpeed's config model does: "2" is 2; what it cannot read, DeepSpeed refuses itself)
-        tp_size = int(tp) if tp is not None and not isinstance(tp, bool) else 1
-    except (TypeError, ValueError):
-        tp_size = 1
-    if tp_size > 1:
+    if ds_int(tp) > 1:
         raise SDP4BitConfigError(f"tensor_parallel.autotp_size={tp!r}: model parallelism together with sdp4bit is "
                                  f"not supported yet (the data-parallel group must be the whole world); remove it "
                                  f"or the sdp4bit block")
-    hpz = zero.get("zero_hpz_partition_size", 1)
-    if cfg.weights.enabled and cfg.weights.replica == "full" and hpz not in (None, 1):
+    hpz = hpz_size(ds_config)
+    if cfg.weights.enabled and cfg.weights.replica == "full" and hpz != 1:
         raise SDP4BitConfigError(f"sdp4bit.weights.replica='full' keeps all weights on every rank; "
                                  f"zero_optimization.zero_hpz_partition_size={hpz} makes no sense with it "
                                  f"(remove it or use replica='node')")
@@ -530,8 +542,8 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
                                  "error_feedback to false")
     gpn = cfg.topology.gpus_per_node
     # An omitted replica with an explicit hpZ size > 1 becomes "node" (integration.choose_replica).
-    replica = cfg.weights.replica or ("node" if hpz not in (None, 1) else None)
-    if (cfg.weights.enabled and replica == "node" and hpz not in (None, 1) and gpn is not None
+    replica = cfg.weights.replica or ("node" if hpz != 1 else None)
+    if (cfg.weights.enabled and replica == "node" and hpz != 1 and gpn is not None
             and hpz != gpn):
         raise SDP4BitConfigError(f"zero_optimization.zero_hpz_partition_size={hpz} must equal "
                                  f"sdp4bit.topology.gpus_per_node={gpn} (the replica is one copy per node)")

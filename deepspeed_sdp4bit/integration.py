@@ -61,7 +61,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .config import BLOCK_KEY, SDP4BitConfig, SDP4BitConfigError, parse_ds_config, validate_against_ds_config
+from .config import (BLOCK_KEY, SDP4BitConfig, SDP4BitConfigError, ds_int, hpz_size, parse_ds_config,
+                     validate_against_ds_config)
 from .topology import Topology, job_gpus_per_node, launcher_ranks_per_host
 
 logger = logging.getLogger("deepspeed_sdp4bit")
@@ -266,13 +267,13 @@ def plan_run(ds_config: Dict[str, Any], world_size: int, n_params: Optional[int]
                                        f"sdp4bit.topology.gpus_per_node to run the host as several logical nodes")
     ds = copy.deepcopy(ds_config)
     zero = ds.setdefault("zero_optimization", {})
-    if ds.get("sequence_parallel_size", 1) not in (None, 1):
+    if ds_int(ds.get("sequence_parallel_size"), 1) > 1:
         raise NotImplementedError("sdp4bit does not support sequence_parallel_size > 1 yet")
     for key in ("zenflow", "super_offload"):
         if zero.get(key):
             raise SDP4BitConfigError(f"zero_optimization.{key} cannot be combined with sdp4bit")
     notes: List[str] = []
-    hpz = zero.get("zero_hpz_partition_size", 1) or 1
+    hpz = hpz_size(ds)
     w = cfg.weights
     if w.enabled and w.replica is None:
         replica, why = choose_replica(gpn, n_params, w.full_replica_budget, device_bytes, hpz)
@@ -680,16 +681,12 @@ def _make_gathered_exit(orig_exit):
 _CAUSED_HPZ = [None]   # the hpZ group DeepSpeed built for a config SDP4Bit prepared, where the user's asked for none
 
 
-def _hpz_size(ds_config: Dict[str, Any]) -> int:
-    return (ds_config.get("zero_optimization") or {}).get("zero_hpz_partition_size", 1) or 1
-
-
 def _note_caused_hpz(user_config: Dict[str, Any], prepared: Dict[str, Any]) -> None:
     """After DeepSpeed built an engine or a zero.Init from ``prepared``: remember its hpZ group if SDP4Bit asked
     for it (the node replica) and the user did not."""
     from deepspeed.utils import groups
 
-    if _hpz_size(prepared) > 1 and _hpz_size(user_config) <= 1:
+    if hpz_size(prepared) > 1 and hpz_size(user_config) <= 1:
         _CAUSED_HPZ[0] = groups._get_zero_param_intra_parallel_group()
 
 
@@ -715,7 +712,7 @@ def _prepare_hpz_group(ds_config: Dict[str, Any]) -> None:
     from deepspeed.utils import groups
     import torch.distributed as tdist
 
-    hpz = _hpz_size(ds_config)
+    hpz = hpz_size(ds_config)
     cached = groups._get_zero_param_intra_parallel_group()
     if cached is not None and (hpz <= 1 or tdist.get_world_size(cached) != hpz):
         groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
@@ -1354,6 +1351,11 @@ def attach(engine, cfg: SDP4BitConfig) -> SDP4BitState:
                                   f"{type(opt).__name__} (no optimizer, or an unsupported wrapper)")
     if getattr(opt, _STATE_ATTR, None) is not None:
         raise RuntimeError("sdp4bit is already attached to this optimizer")
+    if cfg.kernel_backend is not None:
+        # a backend given that cannot run here fails now, naming the key, not in the first backward hook
+        from . import ops
+
+        ops.get_backend(cfg.backend_name, torch.device(engine.device))
     for attr, what in (("offload_optimizer", "zero_optimization.offload_optimizer"),
                        ("offload_param", "zero_optimization.offload_param"),
                        ("swap_optimizer", "optimizer NVMe swapping")):

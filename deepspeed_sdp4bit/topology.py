@@ -141,7 +141,7 @@ class Topology:
                 f"sdp4bit needs the data-parallel group to be the whole world (got {size} of {world} ranks); "
                 "model parallelism together with sdp4bit is not supported yet")
         global_ranks = list(range(world)) if group is None else dist.get_process_group_ranks(group)
-        gpn = resolve_gpus_per_node(gpus_per_node, size)
+        gpn = job_gpus_per_node(gpus_per_node, size)   # (a node larger than the job: the job is one node)
         shape = TopologyShape(size // gpn, gpn)
         rank = dist.get_rank(group)
         intra = inter = None

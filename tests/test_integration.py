@@ -1417,10 +1417,13 @@ def _off_worker(rank, world, gpn):
     del e
     if world > 1:
         # opted in on one node: the gradients are quantized; a node replica leaves the weights to ZeRO-3
-        for name, replica in (("opt_in_node", "node"), ("opt_in_full", "full")):
-            e = du.make_engine(cfg(sdp4bit=block(gpn=gpn, replica=replica, quantize_single_node=True)))
+        # ("wide": gpus_per_node larger than the job, which is then one node, as the plan says)
+        for name, replica, g in (("opt_in_node", "node", gpn), ("opt_in_full", "full", gpn),
+                                 ("opt_in_wide", "full", 2 * gpn)):
+            e = du.make_engine(cfg(sdp4bit=block(gpn=g, replica=replica, quantize_single_node=True)))
             res[name] = du.train_steps(e, STEPS, rank)
             res[name + "_summary"] = e.sdp4bit_summary()
+            res[name + "_shape"] = (e.sdp4bit.topology.num_nodes, e.sdp4bit.topology.gpus_per_node)
             if replica == "full":
                 res[name + "_replicas"] = _replica_report(e)
             del e
@@ -1456,6 +1459,8 @@ def test_single_node_opt_in_quantizes():
     assert s["active"] and s["weights"]["bytes"] > 0
     _close(r["opt_in_full"], r["plain"], 3e-2)
     _check_full_replicas(runs, "opt_in_full_replicas")
+    assert r["opt_in_wide_summary"]["active"] and r["opt_in_wide_shape"] == (1, 4)
+    assert r["opt_in_wide"] == r["opt_in_full"]   # the same job
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -1487,6 +1492,13 @@ def _launch_worker(rank, world):
         res[name + "_summary"] = e.sdp4bit_summary() if blk else None
         res[name + "_secondaries"] = sum(p.ds_secondary_tensor is not None for p in e.module.parameters())
         del e
+    # a kernel backend given that cannot run on this device: refused when the engine is built (it once failed in
+    # the first backward hook)
+    try:
+        du.make_engine(du.base_config(sdp4bit=block("cuda")))
+        res["backend"] = "built"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        res["backend"] = f"{type(e).__name__}: {e}"
     return res
 
 
@@ -1498,6 +1510,8 @@ def test_launch_hosts_disagree_and_forward_only_engine():
         assert r["node_summary"] == {"active": False,
                                      "reason": "no optimizer in this engine: nothing to reduce or refresh"}
         assert r["node"] == r["plain"] and r["node_secondaries"] == 0   # plain ZeRO-3: no hpZ copies
+        assert _on_nccl() or r["backend"].startswith("RuntimeError: sdp4bit.kernel_backend='cuda' cannot run on "
+                                                     "cpu"), r["backend"]
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -181,6 +181,22 @@ def test_a_node_larger_than_the_job_is_one_node():
         plan_run(_ds({"topology": {"gpus_per_node": 3}}), 4)
 
 
+@pytest.mark.parametrize("hpz, block, top, replica", [
+    # DeepSpeed's own integer and boolean keys as its (lax) config models read them
+    ("2", {"topology": {"gpus_per_node": 2}}, {}, "node"),               # asks for per-node copies
+    ("2", {}, {}, "node"),                                               # the same, gpus_per_node omitted
+    ("1", {"weights": {"replica": "full"}, "topology": {"gpus_per_node": 2}}, {}, "full"),
+    (1, {"topology": {"gpus_per_node": 2}}, {"sequence_parallel_size": "1"}, None),
+])
+def test_deepspeed_keys_read_as_deepspeed_reads_them(hpz, block, top, replica, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    ds = {**_ds(block, zero_hpz_partition_size=hpz, zero_quantized_weights="false"), **top}
+    plan = plan_run(ds, 4, n_params=1000, device_bytes=80 * GiB)
+    assert plan.cfg.active and (replica is None or plan.cfg.weights.replica == replica)
+    if replica == "node":
+        assert plan.ds_config["zero_optimization"]["zero_hpz_partition_size"] == 2
+
+
 def test_hf_auto_persistence_threshold_is_replaced_for_the_full_replica():
     # HF's ZeRO-3 template says "auto" there and fills it only after the model is built
     ds = _ds({"topology": {"gpus_per_node": 1}, "weights": {"replica": "full"}},
