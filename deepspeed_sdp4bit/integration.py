@@ -1814,12 +1814,12 @@ def _empty_partition_cache(orig):
     # engine.empty_partition_cache() (e.g. between generation and training in RLHF loops) releases every gathered
     # parameter.  A full replica is persistent by design, so nothing of it is freed, and a parameter left released
     # would make the next forward gather a second, unquantized copy of the model: point them back at the replica.
+    release = _waiting_first(orig)   # (a refresh in flight finishes first)
+
     @functools.wraps(orig)
     def empty_partition_cache(self):
+        release(self)
         st = _active(self)
-        if st is not None:
-            st.wait()
-        orig(self)
         if st is not None:
             st.point_params()
 
