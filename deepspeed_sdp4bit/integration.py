@@ -1564,30 +1564,30 @@ def _engine_load_checkpoint(orig):
     @functools.wraps(orig)
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         st = get_state(self.optimizer) if getattr(self, "optimizer", None) is not None else None
-        if st is not None and self.load_universal_checkpoint():
-            # a universal load bypasses _rigid_load_state_dict: the replica and SDP4Bit's step would not be restored
-            raise NotImplementedError(
-                "sdp4bit: universal checkpoints (ds_config checkpoint.load_universal) are not supported yet: their "
-                "load skips the bf16 replica (if any) and the step count SDP4Bit saves. Resume from the original "
-                "checkpoint folder, not ds_to_universal's output (checkpoint.load_universal false, the same ranks and "
-                "layout), or take the weights "
-                "(engine.save_16bit_model / the Trainer's save_model, or DeepSpeed's zero_to_fp32.py) and start a new "
-                "run from them")
-        if st is not None:
+        # A universal checkpoint (DeepSpeed's ds_to_universal output, ds_config checkpoint.load_universal) may come
+        # from another world size or layout: DeepSpeed sets every bf16 partition to bf16(fp32 master) and the
+        # epilogue rebuilds every replica from them exactly (the not-yet-sent rounding residual of the saved
+        # replica is not in such a checkpoint: the run goes on from bf16(master), as a plain ZeRO-3 run does); the
+        # step comes from DeepSpeed's count below.
+        universal = bool(self.load_universal_checkpoint())
+        if st is not None and not universal:
             saved, t = _saved_dp_world_size(self, load_dir, tag)
             cur = st.topology.world_size
             if saved is not None and saved != cur:
                 raise RuntimeError(
                     f"sdp4bit: the checkpoint {load_dir}/{t} was saved by {saved} data-parallel ranks, this job "
                     f"has {cur}: SDP4Bit, like ZeRO-3's partitioned optimizer state, resumes only at the world "
-                    f"size it was saved with. Resume with {saved} ranks, or take the weights "
-                    f"(engine.save_16bit_model / the Trainer's save_model, or DeepSpeed's zero_to_fp32.py) and "
-                    f"start a new run from them with {cur} ranks (the optimizer state is not carried over)")
+                    f"size it was saved with. Resume with {saved} ranks, or convert it with DeepSpeed's ds_to_universal and "
+                    f"load that with ds_config checkpoint.load_universal: true (the optimizer state is carried over), "
+                    f"or take the weights (engine.save_16bit_model / the Trainer's save_model, or DeepSpeed's "
+                    f"zero_to_fp32.py) and start a new run from them with {cur} ranks")
         if st is not None:
             st.wait()   # the module's weights are loaded before the optimizer's prologue runs
             st.step_restored = False
         out = orig(self, load_dir, tag, *args, **kwargs)
         a = sig.bind(self, load_dir, tag, *args, **kwargs).arguments
+        if st is not None and out[0] is not None and st.reducer is not None and st.reducer.residuals is not None:
+            st.reducer.residuals.clear()   # error feedback: a loaded state starts with no residual
         if st is not None and out[0] is not None and not a.get("load_module_only") and not st.step_restored:
             # SDP4Bit's step (the rounding streams' step word, inter8_steps' count) comes with the optimizer
             # state; where none was read (load_optimizer_states false) or it had no SDP4Bit entry (a plain
@@ -1765,19 +1765,16 @@ def _rigid_load_state_dict(orig):
         st = _active(self)
         extra = state_dict.get(_CKPT_KEY) if isinstance(state_dict, dict) else None
         if st is not None and extra is not None and extra.get("topology") is not None:
-            # Checked before DeepSpeed's load: resuming the replicas and rounding streams of another layout
-            # was seen to lose the training progress (loss back near its start) instead of failing.
+            # another layout at the same world size (the engine's load checked the world size): every rank's bf16
+            # partition (replica value) is restored as saved, and the epilogue rebuilds the replicas of this
+            # layout from them exactly; the rounding streams go on from the saved step with this layout's ranks
             (n0, g0), (n1, g1) = extra["topology"], (st.topology.num_nodes, st.topology.gpus_per_node)
             if (n0, g0) != (n1, g1):
-                raise RuntimeError(
-                    f"sdp4bit: the checkpoint was saved with {n0} node(s) x {g0} GPU(s) per node, this job runs "
-                    f"{n1} x {g1}: resume with the same layout (sdp4bit.topology.gpus_per_node = {g0}, or "
-                    f"{g0} ranks per host with the key omitted), or start a new run from the exported weights")
+                _say(f"resuming a checkpoint saved at {n0} node(s) x {g0} GPU(s) per node at {n1} x {g1}: the "
+                     f"replicas are rebuilt from the saved partitions")
         if st is not None:
             st.wait()
         orig(self, state_dict, load_optimizer_states=load_optimizer_states)
-        if st is not None and st.reducer is not None and st.reducer.residuals is not None:
-            st.reducer.residuals.clear()   # error feedback: a loaded state starts with no residual
         if st is None or extra is None:
             return
         if "step" in extra:

@@ -574,6 +574,117 @@ def test_plain_zero3_checkpoint_resumed_with_sdp4bit():
 
 
 # --------------------------------------------------------------------------------------------------------
+# family "layout": a checkpoint resumed at another nodes x GPUs layout (same world size), and as a DeepSpeed
+# universal checkpoint at another world size
+# --------------------------------------------------------------------------------------------------------
+def _universal(rank, src, dst):
+    """DeepSpeed's ds_to_universal of ``src`` into ``dst`` on rank 0 (as a user runs it between two jobs)."""
+    import argparse
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        ds_to_universal(argparse.Namespace(input_folder=src, output_folder=dst, num_extract_workers=1,
+                                           num_merge_workers=1, keep_temp_folder=False, strict=True,
+                                           inject_missing_state=False))
+    dist.barrier()
+
+
+def _layout_worker(rank, world, ckpt_dir):
+    import os
+
+    du = _setup()
+    res = {}
+    d = lambda tag: os.path.join(ckpt_dir, tag)  # noqa: E731
+    # 2 x 2 with node replicas (and frozen parameters, which stay outside the replica) -> 4 x 1 full -> 2 x 2 node
+    node, full = du.base_config(sdp4bit=block(replica="node")), du.base_config(sdp4bit=block(replica="full", gpn=1))
+    e = du.make_engine(node, frozen=FROZEN)
+    du.train_steps(e, STEPS, rank)
+    e.save_checkpoint(ckpt_dir, tag="a")
+    res["uninterrupted_a"] = du.train_steps(e, 3, rank, start_step=STEPS)
+    del e
+    e = du.make_engine(full, seed=7, frozen=FROZEN)
+    e.load_checkpoint(ckpt_dir, tag="a")
+    res["step_a"], res["level_a"] = e.sdp4bit.step, e.sdp4bit.level
+    res["after_load_a"] = _replica_report(e)
+    res["resumed_a"] = du.train_steps(e, 3, rank, start_step=STEPS)
+    e.save_checkpoint(ckpt_dir, tag="b")
+    res["uninterrupted_b"] = du.train_steps(e, 2, rank, start_step=STEPS + 3)
+    del e
+    e = du.make_engine(node, seed=7, frozen=FROZEN)
+    e.load_checkpoint(ckpt_dir, tag="b")
+    res["step_b"], res["level_b"] = e.sdp4bit.step, e.sdp4bit.level
+    res["after_load_b"] = _replica_report(e)
+    res["resumed_b"] = du.train_steps(e, 2, rank, start_step=STEPS + 3)
+    del e
+    _universal(rank, d("a"), d("universal"))
+    return res
+
+
+def _universal_worker(rank, world, ckpt_dir):
+    du = _setup()
+    res = {}
+    for name, sdp in (("plain", None), ("full", block(replica="full", gpn=1))):
+        cfg = du.base_config(world_size=world, **({"sdp4bit": sdp} if sdp else {}))
+        cfg["checkpoint"] = {"load_universal": True}
+        e = du.make_engine(cfg, seed=7, frozen=FROZEN)
+        e.load_checkpoint(ckpt_dir, tag="universal")
+        res[name] = {"global_steps": e.global_steps}
+        if sdp is not None:
+            res[name].update(step=e.sdp4bit.step, level=e.sdp4bit.level, replicas=_replica_report(e))
+        res[name]["losses"] = du.train_steps(e, 3, rank, start_step=STEPS)
+        del e
+    return res
+
+
+def _layout_runs():
+    """The layout family at 4 ranks (2 x 2), then its universal checkpoint loaded by 2 ranks (2 x 1)."""
+    key = ("_layout_worker", "_universal_worker")
+    if key not in _FAMILIES:
+        nccl = dict(local_world_size=1, env=_cuda_share_gpu(), backend="nccl") if _on_nccl() else {}
+        try:
+            with tempfile.TemporaryDirectory(prefix="sdp4bit_test_") as d:
+                four = run_distributed(_layout_worker, WORLD, args=(d,), **(nccl or dict(local_world_size=GPN)))
+                two = run_distributed(_universal_worker, 2, args=(d,), **(nccl or dict(local_world_size=1)))
+            _FAMILIES[key] = (True, (four, two))
+        except Exception as e:  # noqa: BLE001 - reported by every test of the family
+            _FAMILIES[key] = (False, f"{type(e).__name__}: {e}")
+    ok, value = _FAMILIES[key]
+    if not ok:
+        pytest.fail(f"scenario family {key} failed:\n{value}", pytrace=False)
+    return value
+
+
+def test_resume_at_another_layout_continues_from_the_saved_weights():
+    four, _ = _layout_runs()
+    for r in four:
+        assert r["step_a"] == STEPS and r["step_b"] == STEPS + 3
+        assert r["level_a"] == "full" and r["level_b"] == "node"
+    for a, b in (("resumed_a", "uninterrupted_a"), ("resumed_b", "uninterrupted_b")):
+        # the first step's forward runs on the saved replica values (bf16 partitions), whatever the layout: the
+        # same loss to the bit; later steps quantize the gradients and weight updates in this layout's groups
+        assert four[0][a][0] == four[0][b][0], (a, four[0][a], four[0][b])
+        _close(four[0][a], four[0][b], 1e-2)
+    # the replicas of the new layout rebuilt exactly from the loaded partitions
+    _check_full_replicas(four, "after_load_a")
+    _check_node_replicas(four, "after_load_b")
+
+
+def test_universal_checkpoint_at_another_world_size_continues_as_plain_zero3():
+    _, two = _layout_runs()
+    for r in two:
+        # DeepSpeed's own step count, and SDP4Bit's (its rounding streams, inter8_steps) taken from it
+        assert r["plain"]["global_steps"] == STEPS and r["full"]["global_steps"] == STEPS
+        assert r["full"]["step"] == STEPS and r["full"]["level"] == "full"
+    # both start from bf16(fp32 master): the same first loss to the bit, then SDP4Bit's quantization
+    assert two[0]["full"]["losses"][0] == two[0]["plain"]["losses"][0], (two[0]["full"], two[0]["plain"])
+    _close(two[0]["full"]["losses"], two[0]["plain"]["losses"], 1e-2)
+    _check_full_replicas([{"x": r["full"]["replicas"]} for r in two], "x")
+
+
+# --------------------------------------------------------------------------------------------------------
 # family "full": full replicas, across deepspeed.zero.GatheredParameters (read-only and modifier_rank)
 # --------------------------------------------------------------------------------------------------------
 def _full_worker(rank, world, backend, steps, gathered):
