@@ -67,14 +67,22 @@ def _on_nccl() -> bool:
 def family(worker, *args, world=WORLD, gpn=GPN, tmpdir=False):
     """``run_distributed(worker, world, args)`` once per (worker, args); a failure fails the family's tests.
     Under ``SDP4BIT_TEST_NCCL=1`` the ranks are NCCL ranks sharing one GPU (see ``NCCL_ENV``)."""
-    key = (worker.__name__, world, gpn) + args
-    how = dict(local_world_size=1, env=_cuda_share_gpu(), backend="nccl") if _on_nccl() else \
+    return _cached((worker.__name__, world, gpn) + args, lambda d: run_distributed(
+        worker, world, args=args + ((d,) if tmpdir else ()), **_how(gpn)))
+
+
+def _how(gpn):
+    """run_distributed's transport arguments: gloo ranks gpn per host, or NCCL ranks sharing one GPU."""
+    return dict(local_world_size=1, env=_cuda_share_gpu(), backend="nccl") if _on_nccl() else \
         dict(local_world_size=gpn)
+
+
+def _cached(key, run):
+    """``run(tmpdir)`` once per key; its failure fails every test that asks for the key."""
     if key not in _FAMILIES:
         try:
             with tempfile.TemporaryDirectory(prefix="sdp4bit_test_") as d:
-                _FAMILIES[key] = (True, run_distributed(worker, world, args=args + ((d,) if tmpdir else ()),
-                                                        **how))
+                _FAMILIES[key] = (True, run(d))
         except Exception as e:  # noqa: BLE001 - reported by every test of the family
             _FAMILIES[key] = (False, f"{type(e).__name__}: {e}")
     ok, value = _FAMILIES[key]
@@ -641,20 +649,9 @@ def _universal_worker(rank, world, ckpt_dir):
 
 def _layout_runs():
     """The layout family at 4 ranks (2 x 2), then its universal checkpoint loaded by 2 ranks (2 x 1)."""
-    key = ("_layout_worker", "_universal_worker")
-    if key not in _FAMILIES:
-        nccl = dict(local_world_size=1, env=_cuda_share_gpu(), backend="nccl") if _on_nccl() else {}
-        try:
-            with tempfile.TemporaryDirectory(prefix="sdp4bit_test_") as d:
-                four = run_distributed(_layout_worker, WORLD, args=(d,), **(nccl or dict(local_world_size=GPN)))
-                two = run_distributed(_universal_worker, 2, args=(d,), **(nccl or dict(local_world_size=1)))
-            _FAMILIES[key] = (True, (four, two))
-        except Exception as e:  # noqa: BLE001 - reported by every test of the family
-            _FAMILIES[key] = (False, f"{type(e).__name__}: {e}")
-    ok, value = _FAMILIES[key]
-    if not ok:
-        pytest.fail(f"scenario family {key} failed:\n{value}", pytrace=False)
-    return value
+    return _cached(("_layout_worker", "_universal_worker"), lambda d: (
+        run_distributed(_layout_worker, WORLD, args=(d,), **_how(GPN)),
+        run_distributed(_universal_worker, 2, args=(d,), **_how(1))))
 
 
 def test_resume_at_another_layout_continues_from_the_saved_weights():
