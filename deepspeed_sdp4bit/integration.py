@@ -1556,6 +1556,18 @@ def _saved_dp_world_size(engine, load_dir: str, tag) -> Tuple[Optional[int], Opt
     return ck.get("dp_world_size"), tag
 
 
+def _note_universal_frozen(engine) -> None:
+    """DeepSpeed's ZeRO-3 universal checkpoints hold the optimizer's parameters only: a parameter outside the
+    optimizer (frozen) keeps the loading engine's own value, in plain ZeRO-3 as here.  Said once per load."""
+    inside = {id(p) for group in engine.optimizer.fp16_groups for p in group}
+    outside = [n for n, p in engine.module.named_parameters() if id(p) not in inside]
+    if outside:
+        _say(f"a universal checkpoint holds only the optimizer's parameters: {len(outside)} parameter(s) outside "
+             f"it (frozen, e.g. {outside[0]!r}) keep this engine's values, not the saved ones (DeepSpeed's "
+             f"ds_to_universal, plain ZeRO-3 alike); load them yourself, or resume from the checkpoint folder at "
+             f"its world size")
+
+
 def _engine_load_checkpoint(orig):
     # DeepSpeed checks the world size only when it reaches the optimizer shards, after loading the module
     # (where a frozen parameter's fragment of another size fails first, with a tensor-size message).
@@ -1570,7 +1582,13 @@ def _engine_load_checkpoint(orig):
         # replica is not in such a checkpoint: the run goes on from bf16(master), as a plain ZeRO-3 run does); the
         # step comes from DeepSpeed's count below.
         universal = bool(self.load_universal_checkpoint())
-        if st is not None and not universal:
+        bound = sig.bind(self, load_dir, tag, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        # (as DeepSpeed: only a load of the optimizer's partitions needs the saved world size; checked here before
+        # DeepSpeed reads the module, where a frozen parameter's fragment of another size fails with a tensor-size
+        # message first)
+        if st is not None and not universal and a["load_optimizer_states"] and not a["load_module_only"]:
             saved, t = _saved_dp_world_size(self, load_dir, tag)
             cur = st.topology.world_size
             if saved is not None and saved != cur:
@@ -1585,7 +1603,8 @@ def _engine_load_checkpoint(orig):
             st.wait()   # the module's weights are loaded before the optimizer's prologue runs
             st.step_restored = False
         out = orig(self, load_dir, tag, *args, **kwargs)
-        a = sig.bind(self, load_dir, tag, *args, **kwargs).arguments
+        if st is not None and out[0] is not None and universal:
+            _note_universal_frozen(self)
         if st is not None and out[0] is not None and st.reducer is not None and st.reducer.residuals is not None:
             st.reducer.residuals.clear()   # error feedback: a loaded state starts with no residual
         if st is not None and out[0] is not None and not a.get("load_module_only") and not st.step_restored:
@@ -1770,8 +1789,8 @@ def _rigid_load_state_dict(orig):
             # layout from them exactly; the rounding streams go on from the saved step with this layout's ranks
             (n0, g0), (n1, g1) = extra["topology"], (st.topology.num_nodes, st.topology.gpus_per_node)
             if (n0, g0) != (n1, g1):
-                _say(f"resuming a checkpoint saved at {n0} node(s) x {g0} GPU(s) per node at {n1} x {g1}: the "
-                     f"replicas are rebuilt from the saved partitions")
+                _say(f"resuming a checkpoint saved at {n0} node(s) x {g0} GPU(s) per node at {n1} x {g1}"
+                     + (": the replicas are rebuilt from the loaded partitions" if st.weights is not None else ""))
         if st is not None:
             st.wait()
         orig(self, state_dict, load_optimizer_states=load_optimizer_states)

@@ -600,6 +600,16 @@ def _universal(rank, src, dst):
     dist.barrier()
 
 
+def _masters(engine):
+    """Every optimizer parameter's full fp32 master, hashed by name (collective: call on all ranks)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    import ds_utils as du
+
+    return {n: du.tensor_hash(safe_get_full_fp32_param(p)) for n, p in engine.module.named_parameters()
+            if p.requires_grad}
+
+
 def _layout_worker(rank, world, ckpt_dir):
     import os
 
@@ -627,23 +637,59 @@ def _layout_worker(rank, world, ckpt_dir):
     res["after_load_b"] = _replica_report(e)
     res["resumed_b"] = du.train_steps(e, 2, rank, start_step=STEPS + 3)
     del e
-    _universal(rank, d("a"), d("universal"))
+    # error feedback: an engine that has trained (its residuals filled) loads as a fresh one does
+    ef = du.base_config(sdp4bit=block(replica="node", gradients={"error_feedback": True}))
+    for name, before in (("ef_trained", 2), ("ef_fresh", 0)):
+        e = du.make_engine(ef, seed=7, frozen=FROZEN)
+        du.train_steps(e, before, rank)
+        if before:
+            res["ef_residuals"] = len(e.sdp4bit.reducer.residuals.tensors())
+        e.load_checkpoint(ckpt_dir, tag="a")
+        res[name] = du.train_steps(e, 2, rank, start_step=STEPS)
+        del e
+    # without frozen parameters (a universal checkpoint holds the optimizer's parameters only)
+    e = du.make_engine(node)
+    du.train_steps(e, STEPS, rank)
+    e.save_checkpoint(ckpt_dir, tag="nf")
+    res["saved_masters"] = _masters(e)
+    del e
+    _universal(rank, d("a"), d("universal_frozen"))
+    _universal(rank, d("nf"), d("universal"))
     return res
 
 
 def _universal_worker(rank, world, ckpt_dir):
+    import logging
+
     du = _setup()
     res = {}
-    for name, sdp in (("plain", None), ("full", block(replica="full", gpn=1))):
+    full = block(replica="full", gpn=1)
+    for name, sdp in (("plain", None), ("full", full)):
         cfg = du.base_config(world_size=world, **({"sdp4bit": sdp} if sdp else {}))
         cfg["checkpoint"] = {"load_universal": True}
-        e = du.make_engine(cfg, seed=7, frozen=FROZEN)
+        e = du.make_engine(cfg, seed=7)
         e.load_checkpoint(ckpt_dir, tag="universal")
-        res[name] = {"global_steps": e.global_steps}
+        res[name] = {"global_steps": e.global_steps, "masters": _masters(e)}
         if sdp is not None:
             res[name].update(step=e.sdp4bit.step, level=e.sdp4bit.level, replicas=_replica_report(e))
         res[name]["losses"] = du.train_steps(e, 3, rank, start_step=STEPS)
         del e
+        # the checkpoint folder at another world size without the optimizer state: DeepSpeed loads the weights
+        e = du.make_engine(du.base_config(world_size=world, **({"sdp4bit": sdp} if sdp else {})), seed=7)
+        e.load_checkpoint(ckpt_dir, tag="nf", load_optimizer_states=False)
+        res[name]["weights_only"] = du.train_steps(e, 2, rank, start_step=STEPS)
+        del e
+    # frozen parameters are not in a universal checkpoint (DeepSpeed's): said on rank 0
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("deepspeed_sdp4bit").addHandler(handler)
+    cfg = du.base_config(world_size=world, sdp4bit=full)
+    cfg["checkpoint"] = {"load_universal": True}
+    e = du.make_engine(cfg, seed=7, frozen=FROZEN)
+    e.load_checkpoint(ckpt_dir, tag="universal_frozen")
+    res["frozen_said"] = [m for m in said if "universal checkpoint holds only" in m]
+    del e
     return res
 
 
@@ -667,6 +713,30 @@ def test_resume_at_another_layout_continues_from_the_saved_weights():
     # the replicas of the new layout rebuilt exactly from the loaded partitions
     _check_full_replicas(four, "after_load_a")
     _check_node_replicas(four, "after_load_b")
+
+
+def test_a_load_clears_the_error_feedback_residuals():
+    four, _ = _layout_runs()
+    assert all(r["ef_residuals"] > 0 for r in four), "the trained engine held no residuals: nothing is checked"
+    assert four[0]["ef_trained"] == four[0]["ef_fresh"]
+
+
+def test_universal_checkpoint_at_another_world_size_continues_as_plain_zero3():
+    four, two = _layout_runs()
+    for r in two:
+        # DeepSpeed's own step count, and SDP4Bit's (its rounding streams, inter8_steps) taken from it
+        assert r["plain"]["global_steps"] == STEPS and r["full"]["global_steps"] == STEPS
+        assert r["full"]["step"] == STEPS and r["full"]["level"] == "full"
+        # the fp32 master as saved by the 4 ranks, in both engines
+        assert r["full"]["masters"] == four[0]["saved_masters"] == r["plain"]["masters"]
+    # both start from bf16(fp32 master): the same first loss to the bit, then SDP4Bit's quantization
+    for what in ("losses", "weights_only"):
+        full, plain = two[0]["full"][what], two[0]["plain"][what]
+        assert full[0] == plain[0], (what, full, plain)
+        _close(full, plain, 1e-2)
+    _check_full_replicas([{"x": r["full"]["replicas"]} for r in two], "x")
+    # frozen parameters keep the loading engine's values (DeepSpeed's universal format): said once, on rank 0
+    assert len(two[0]["frozen_said"]) == 1 and "'tok." in two[0]["frozen_said"][0] and not two[1]["frozen_said"]
 
 
 def test_universal_checkpoint_at_another_world_size_continues_as_plain_zero3():

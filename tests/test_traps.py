@@ -4,10 +4,10 @@
   builds an engine that would silently ignore the "sdp4bit" block: refused when the engine is built;
 * mixture-of-experts layers (``engine.has_moe_layers``: DeepSpeed's AutoEP; its native MoE layer DeepSpeed
   refuses with ZeRO-3 itself): refused at attach (they used to fail at the first backward);
-* resuming at another world size from a checkpoint folder (not a universal one): refused before DeepSpeed loads
-  anything (with a frozen parameter DeepSpeed itself failed with a tensor-size message), saying what was saved,
-  what runs and what to do (resuming at another layout, and universal checkpoints: test_integration's "layout"
-  family).
+* resuming the optimizer state at another world size from a checkpoint folder (not a universal one): refused
+  before DeepSpeed loads anything (with a frozen parameter DeepSpeed itself failed with a tensor-size message),
+  saying what was saved, what runs and what to do (resuming at another layout, universal checkpoints and the
+  weights alone: test_integration's "layout" family).
 
 Two spawns: 4 gloo ranks as 2 nodes x 2 (the first three cases, and the checkpoint), then 2 ranks loading it.
 """
