@@ -1558,12 +1558,13 @@ def _saved_dp_world_size(engine, load_dir: str, tag) -> Tuple[Optional[int], Opt
 
 def _note_universal_frozen(engine) -> None:
     """DeepSpeed's ZeRO-3 universal checkpoints hold the optimizer's parameters only: a parameter outside the
-    optimizer (frozen) keeps the loading engine's own value, in plain ZeRO-3 as here.  Said once per load."""
+    optimizer (e.g. frozen) keeps the loading engine's own value, in plain ZeRO-3 as here.  Said once per load."""
     inside = {id(p) for group in engine.optimizer.fp16_groups for p in group}
-    outside = [n for n, p in engine.module.named_parameters() if id(p) not in inside]
+    outside = [n for n, p in engine.module.named_parameters()
+               if id(p) not in inside and getattr(p, "ds_numel", p.numel()) > 0]
     if outside:
         _say(f"a universal checkpoint holds only the optimizer's parameters: {len(outside)} parameter(s) outside "
-             f"it (frozen, e.g. {outside[0]!r}) keep this engine's values, not the saved ones (DeepSpeed's "
+             f"it (e.g. frozen: {outside[0]!r}) keep this engine's values, not the saved ones (DeepSpeed's "
              f"ds_to_universal, plain ZeRO-3 alike); load them yourself, or resume from the checkpoint folder at "
              f"its world size")
 
@@ -1582,27 +1583,25 @@ def _engine_load_checkpoint(orig):
         # replica is not in such a checkpoint: the run goes on from bf16(master), as a plain ZeRO-3 run does); the
         # step comes from DeepSpeed's count below.
         universal = bool(self.load_universal_checkpoint())
-        bound = sig.bind(self, load_dir, tag, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        # (as DeepSpeed: only a load of the optimizer's partitions needs the saved world size; checked here before
-        # DeepSpeed reads the module, where a frozen parameter's fragment of another size fails with a tensor-size
-        # message first)
-        if st is not None and not universal and a["load_optimizer_states"] and not a["load_module_only"]:
+        # A checkpoint folder holds per-rank pieces (optimizer partitions, frozen parameters' fragments, model-state
+        # files) of the world size that saved it: DeepSpeed fails on another one in most cases (a tensor-size error,
+        # missing files on the extra ranks, or a one-element fragment broadcast silently), so it is refused up front
+        if st is not None and not universal:
             saved, t = _saved_dp_world_size(self, load_dir, tag)
             cur = st.topology.world_size
             if saved is not None and saved != cur:
                 raise RuntimeError(
                     f"sdp4bit: the checkpoint {load_dir}/{t} was saved by {saved} data-parallel ranks, this job "
                     f"has {cur}: SDP4Bit, like ZeRO-3's partitioned optimizer state, resumes only at the world "
-                    f"size it was saved with. Resume with {saved} ranks, or convert it with DeepSpeed's ds_to_universal and "
-                    f"load that with ds_config checkpoint.load_universal: true (the optimizer state is carried over), "
-                    f"or take the weights (engine.save_16bit_model / the Trainer's save_model, or DeepSpeed's "
-                    f"zero_to_fp32.py) and start a new run from them with {cur} ranks")
+                    f"size it was saved with. Resume with {saved} ranks, or convert it with DeepSpeed's "
+                    f"ds_to_universal and load that with ds_config checkpoint.load_universal: true (the optimizer "
+                    f"state is carried over), or take the weights (engine.save_16bit_model / the Trainer's "
+                    f"save_model, or DeepSpeed's zero_to_fp32.py) and start a new run from them with {cur} ranks")
         if st is not None:
             st.wait()   # the module's weights are loaded before the optimizer's prologue runs
             st.step_restored = False
         out = orig(self, load_dir, tag, *args, **kwargs)
+        a = sig.bind(self, load_dir, tag, *args, **kwargs).arguments
         if st is not None and out[0] is not None and universal:
             _note_universal_frozen(self)
         if st is not None and out[0] is not None and st.reducer is not None and st.reducer.residuals is not None:

@@ -674,9 +674,9 @@ def _universal_worker(rank, world, ckpt_dir):
             res[name].update(step=e.sdp4bit.step, level=e.sdp4bit.level, replicas=_replica_report(e))
         res[name]["losses"] = du.train_steps(e, 3, rank, start_step=STEPS)
         del e
-        # the checkpoint folder at another world size without the optimizer state: DeepSpeed loads the weights
-        e = du.make_engine(du.base_config(world_size=world, **({"sdp4bit": sdp} if sdp else {})), seed=7)
-        e.load_checkpoint(ckpt_dir, tag="nf", load_optimizer_states=False)
+        # the universal checkpoint's weights alone (DeepSpeed's module path), a fresh optimizer state
+        e = du.make_engine(cfg, seed=7)
+        e.load_checkpoint(ckpt_dir, tag="universal", load_optimizer_states=False)
         res[name]["weights_only"] = du.train_steps(e, 2, rank, start_step=STEPS)
         del e
     # frozen parameters are not in a universal checkpoint (DeepSpeed's): said on rank 0
@@ -734,21 +734,11 @@ def test_universal_checkpoint_at_another_world_size_continues_as_plain_zero3():
         full, plain = two[0]["full"][what], two[0]["plain"][what]
         assert full[0] == plain[0], (what, full, plain)
         _close(full, plain, 1e-2)
+    # the weights alone are the same weights: the same first loss as the full load's
+    assert two[0]["full"]["weights_only"][0] == two[0]["full"]["losses"][0]
     _check_full_replicas([{"x": r["full"]["replicas"]} for r in two], "x")
     # frozen parameters keep the loading engine's values (DeepSpeed's universal format): said once, on rank 0
     assert len(two[0]["frozen_said"]) == 1 and "'tok." in two[0]["frozen_said"][0] and not two[1]["frozen_said"]
-
-
-def test_universal_checkpoint_at_another_world_size_continues_as_plain_zero3():
-    _, two = _layout_runs()
-    for r in two:
-        # DeepSpeed's own step count, and SDP4Bit's (its rounding streams, inter8_steps) taken from it
-        assert r["plain"]["global_steps"] == STEPS and r["full"]["global_steps"] == STEPS
-        assert r["full"]["step"] == STEPS and r["full"]["level"] == "full"
-    # both start from bf16(fp32 master): the same first loss to the bit, then SDP4Bit's quantization
-    assert two[0]["full"]["losses"][0] == two[0]["plain"]["losses"][0], (two[0]["full"], two[0]["plain"])
-    _close(two[0]["full"]["losses"], two[0]["plain"]["losses"], 1e-2)
-    _check_full_replicas([{"x": r["full"]["replicas"]} for r in two], "x")
 
 
 # --------------------------------------------------------------------------------------------------------

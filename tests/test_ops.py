@@ -198,3 +198,34 @@ def test_kernels_do_not_import_the_dispatch():
             if isinstance(node, ast.Import):
                 assert all(a.name != "deepspeed_sdp4bit.ops" for a in node.names), f
     assert ops.Backend is __import__("deepspeed_sdp4bit.backend", fromlist=["Backend"]).Backend
+
+
+def _redefined(tree):
+    """Names a module or class body defines twice (the later definition shadows the earlier: a test defined twice
+    never runs its first body); a property's setter / getter / deleter is not a redefinition."""
+    import ast
+    import collections
+
+    def accessor(node):
+        return any(isinstance(d, ast.Attribute) and d.attr in ("setter", "getter", "deleter")
+                   for d in getattr(node, "decorator_list", []))
+
+    out = []
+    for body in [tree.body] + [n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+        names = collections.Counter(n.name for n in body
+                                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                                    and not accessor(n))
+        out += [name for name, k in names.items() if k > 1]
+    return out
+
+
+def test_no_module_defines_a_name_twice():
+    import ast
+    import pathlib
+
+    root = pathlib.Path(ops.__file__).parent.parent
+    files = [f for d in ("deepspeed_sdp4bit", "tests", "benchmarks", "examples") for f in (root / d).rglob("*.py")]
+    assert len(files) > 20, "the repository's files were not found"
+    assert _redefined(ast.parse("def f(): pass\ndef f(): pass\n")) == ["f"]   # the check itself
+    found = {str(f.relative_to(root)): names for f in files if (names := _redefined(ast.parse(f.read_text())))}
+    assert not found, f"defined twice (the first is shadowed): {found}"
