@@ -1564,9 +1564,9 @@ def _note_universal_frozen(engine) -> None:
                if id(p) not in inside and getattr(p, "ds_numel", p.numel()) > 0]
     if outside:
         _say(f"a universal checkpoint holds only the optimizer's parameters: {len(outside)} parameter(s) outside "
-             f"it (e.g. frozen: {outside[0]!r}) keep this engine's values, not the saved ones (DeepSpeed's "
-             f"ds_to_universal, plain ZeRO-3 alike); load them yourself, or resume from the checkpoint folder at "
-             f"its world size")
+             f"it (e.g. frozen: {outside[0]!r}) keep the values this engine was built with (DeepSpeed's "
+             f"ds_to_universal, plain ZeRO-3 alike): the saved ones where the model was built as the saved run's "
+             f"(frozen parameters do not train; the Trainer's checkpoint-N holds them too)")
 
 
 def _engine_load_checkpoint(orig):
