@@ -1570,13 +1570,13 @@ def _note_universal_frozen(engine) -> None:
 
 
 def _engine_load_checkpoint(orig):
-    # DeepSpeed checks the world size only when it reaches the optimizer shards, after loading the module
-    # (where a frozen parameter's fragment of another size fails first, with a tensor-size message).
     sig = inspect.signature(orig)
 
     @functools.wraps(orig)
     def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         st = get_state(self.optimizer) if getattr(self, "optimizer", None) is not None else None
+        if st is None:
+            return orig(self, load_dir, tag, *args, **kwargs)
         # A universal checkpoint (DeepSpeed's ds_to_universal output, ds_config checkpoint.load_universal) may come
         # from another world size or layout: DeepSpeed sets every bf16 partition to bf16(fp32 master) and the
         # epilogue rebuilds every replica from them exactly (the not-yet-sent rounding residual of the saved
@@ -1585,8 +1585,9 @@ def _engine_load_checkpoint(orig):
         universal = bool(self.load_universal_checkpoint())
         # A checkpoint folder holds per-rank pieces (optimizer partitions, frozen parameters' fragments, model-state
         # files) of the world size that saved it: DeepSpeed fails on another one in most cases (a tensor-size error,
-        # missing files on the extra ranks, or a one-element fragment broadcast silently), so it is refused up front
-        if st is not None and not universal:
+        # missing files on the extra ranks, or a one-element fragment broadcast silently), and checks the world size
+        # itself only when it reaches the optimizer shards, after the module: so it is refused up front
+        if not universal:
             saved, t = _saved_dp_world_size(self, load_dir, tag)
             cur = st.topology.world_size
             if saved is not None and saved != cur:
@@ -1597,16 +1598,17 @@ def _engine_load_checkpoint(orig):
                     f"ds_to_universal and load that with ds_config checkpoint.load_universal: true (the optimizer "
                     f"state is carried over), or take the weights (engine.save_16bit_model / the Trainer's "
                     f"save_model, or DeepSpeed's zero_to_fp32.py) and start a new run from them with {cur} ranks")
-        if st is not None:
-            st.wait()   # the module's weights are loaded before the optimizer's prologue runs
-            st.step_restored = False
+        st.wait()   # the module's weights are loaded before the optimizer's prologue runs
+        st.step_restored = False
         out = orig(self, load_dir, tag, *args, **kwargs)
-        a = sig.bind(self, load_dir, tag, *args, **kwargs).arguments
-        if st is not None and out[0] is not None and universal:
+        if out[0] is None:
+            return out
+        if universal:
             _note_universal_frozen(self)
-        if st is not None and out[0] is not None and st.reducer is not None and st.reducer.residuals is not None:
+        if st.reducer is not None and st.reducer.residuals is not None:
             st.reducer.residuals.clear()   # error feedback: a loaded state starts with no residual
-        if st is not None and out[0] is not None and not a.get("load_module_only") and not st.step_restored:
+        module_only = sig.bind(self, load_dir, tag, *args, **kwargs).arguments.get("load_module_only")
+        if not st.step_restored and not module_only:
             # SDP4Bit's step (the rounding streams' step word, inter8_steps' count) comes with the optimizer
             # state; where none was read (load_optimizer_states false) or it had no SDP4Bit entry (a plain
             # ZeRO-3 checkpoint) take DeepSpeed's step count, which counts skipped steps too, as ours does

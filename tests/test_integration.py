@@ -664,9 +664,9 @@ def _universal_worker(rank, world, ckpt_dir):
     du = _setup()
     res = {}
     full = block(replica="full", gpn=1)
+    universal = {"load_universal": True}
     for name, sdp in (("plain", None), ("full", full)):
-        cfg = du.base_config(world_size=world, **({"sdp4bit": sdp} if sdp else {}))
-        cfg["checkpoint"] = {"load_universal": True}
+        cfg = du.base_config(world_size=world, sdp4bit=sdp, checkpoint=universal)
         e = du.make_engine(cfg, seed=7)
         e.load_checkpoint(ckpt_dir, tag="universal")
         res[name] = {"global_steps": e.global_steps, "masters": _masters(e)}
@@ -684,9 +684,7 @@ def _universal_worker(rank, world, ckpt_dir):
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("deepspeed_sdp4bit").addHandler(handler)
-    cfg = du.base_config(world_size=world, sdp4bit=full)
-    cfg["checkpoint"] = {"load_universal": True}
-    e = du.make_engine(cfg, seed=7, frozen=FROZEN)
+    e = du.make_engine(du.base_config(world_size=world, sdp4bit=full, checkpoint=universal), seed=7, frozen=FROZEN)
     e.load_checkpoint(ckpt_dir, tag="universal_frozen")
     res["frozen_said"] = [m for m in said if "universal checkpoint holds only" in m]
     del e
