@@ -859,6 +859,33 @@ def test_goals_table_checks_the_ablation_order_seed_paired():
     assert "not measured" in line(qw, stray) and "qWD +0.05% (2)" in line(qw, qwd[:2], stray)
 
 
+def test_readme_generated_blocks_are_the_committed_results():
+    """README.md's generated blocks (headline, "Where it stands", goals) are what ``report`` makes of the committed
+    results: a number typed into them by hand, or results merged without regenerating, fails here."""
+    want = report.readme_from_committed(suite.ONE_GPU)
+    assert report.STANDING_BEGIN in want and report.GOALS_BEGIN in want
+    assert report.README.read_text() == want, "README.md is stale: run `python -m benchmarks report`"
+
+
+def test_where_it_stands_reads_the_goals_computations():
+    """The README's "Where it stands" block: the default's loss per run set of 3+ seeds with its verdict, the
+    ablation claims of a set where two configs have 3+ seeds (fewer: the goals table only)."""
+    z = [_acc_row("zero3:replay", "4r", s, 2.0, 2.0) for s in (1, 2, 3)]
+
+    def cfg(name, gaps, default=False):
+        return [dict(_acc_row(name, "2x2", s, 2.0 * (1 + d / 100), 2.0), default=default)
+                for s, d in zip((1, 2, 3), gaps)]
+    dflt = cfg("sdp4bit", [0.05, 0.15, -0.05], default=True)
+    text = report.standing([], z + dflt + cfg("qw", [3.0, 3.2, 2.8]) + cfg("tlq", [1.0, 1.1, 0.9])
+                           + cfg("tlq_hs", [0.5, 0.7, 0.3]))
+    assert "| 2x2 | +0.05% +- 0.06 (SE, 3 seeds; mean +- t SE -0.20 .. +0.30%): met |" in text
+    assert "- TLq worse than TLq-HS: TLq minus TLq-HS +0.50 (SE 0.06, 3 seeds; +0.25 .. +0.75): met" in text
+    assert "qW +3.00% (3), TLq +1.00% (3), TLq-HS +0.50% (3), default +0.05% (3)" in text
+    # two seeds: neither the loss row nor the ablations (the goals table has them)
+    short = report.standing([], z + dflt[:2] + cfg("qw", [3.0, 3.2])[:2] + cfg("tlq", [1.0, 1.1])[:2])
+    assert "| run set |" not in short and "seeds):\n\nnot measured" in short and "ablations" not in short
+
+
 def test_rows_are_compared_with_todays_default_config():
     """A row's config snapshot (the block resolved by the code that ran it) tells today's default from an older
     default, whatever the config file was called; the headline takes the newest run of today's default."""
