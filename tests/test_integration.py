@@ -583,7 +583,7 @@ def test_plain_zero3_checkpoint_resumed_with_sdp4bit():
 
 # --------------------------------------------------------------------------------------------------------
 # family "layout": a checkpoint resumed at another nodes x GPUs layout (same world size), and as a DeepSpeed
-# universal checkpoint at another world size
+# universal checkpoint into node replicas (same world size) and at another world size
 # --------------------------------------------------------------------------------------------------------
 def _universal(rank, src, dst):
     """DeepSpeed's ds_to_universal of ``src`` into ``dst`` on rank 0 (as a user runs it between two jobs)."""
@@ -655,6 +655,19 @@ def _layout_worker(rank, world, ckpt_dir):
     del e
     _universal(rank, d("a"), d("universal_frozen"))
     _universal(rank, d("nf"), d("universal"))
+    # the universal checkpoint at the same world size into node replicas (the 2-rank worker runs 2 x 1, full
+    # replicas only), in full and with load_module_only (DeepSpeed restores no step count there)
+    for name, sdp in (("plain", None), ("node", block(replica="node"))):
+        cfg = du.base_config(sdp4bit=sdp, checkpoint={"load_universal": True})
+        u = res["universal_" + name] = {}
+        for how, kw, steps in (("full_load", {}, 3), ("module_only", {"load_module_only": True}, 2)):
+            e = du.make_engine(cfg, seed=7)
+            e.load_checkpoint(ckpt_dir, tag="universal", **kw)
+            u[how] = {"global_steps": e.global_steps, "masters": _masters(e)}
+            if sdp is not None:
+                u[how].update(step=e.sdp4bit.step, level=e.sdp4bit.level, replicas=_replica_report(e))
+            u[how]["losses"] = du.train_steps(e, steps, rank, start_step=STEPS)
+            del e
     return res
 
 
@@ -692,7 +705,8 @@ def _universal_worker(rank, world, ckpt_dir):
 
 
 def _layout_runs():
-    """The layout family at 4 ranks (2 x 2), then its universal checkpoint loaded by 2 ranks (2 x 1)."""
+    """The layout family at 4 ranks (2 x 2, its universal checkpoint loaded there too), then that checkpoint
+    loaded by 2 ranks (2 x 1)."""
     return _cached(("_layout_worker", "_universal_worker"), lambda d: (
         run_distributed(_layout_worker, WORLD, args=(d,), **_how(GPN)),
         run_distributed(_universal_worker, 2, args=(d,), **_how(1))))
@@ -737,6 +751,34 @@ def test_universal_checkpoint_at_another_world_size_continues_as_plain_zero3():
     _check_full_replicas([{"x": r["full"]["replicas"]} for r in two], "x")
     # frozen parameters keep the loading engine's values (DeepSpeed's universal format): said once, on rank 0
     assert len(two[0]["frozen_said"]) == 1 and "'tok." in two[0]["frozen_said"][0] and not two[1]["frozen_said"]
+
+
+def test_universal_checkpoint_into_node_replicas():
+    four, _ = _layout_runs()
+    saved = four[0]["saved_masters"]
+    assert saved, "no master was saved: nothing is compared"
+    for r in four:
+        plain, node = r["universal_plain"], r["universal_node"]
+        # the full load: DeepSpeed's step count, and SDP4Bit's taken from it
+        assert plain["full_load"]["global_steps"] == node["full_load"]["global_steps"] == STEPS
+        assert node["full_load"]["step"] == STEPS and node["full_load"]["level"] == "node"
+        # module only: DeepSpeed keeps the built engine's count (0), and SDP4Bit's step with it
+        assert plain["module_only"]["global_steps"] == node["module_only"]["global_steps"] == 0
+        assert node["module_only"]["step"] == 0 and node["module_only"]["level"] == "node"
+        # the fp32 master as saved, in every engine (module only too: zero_optimization.load_from_fp32_weights)
+        for x in (plain, node):
+            assert x["full_load"]["masters"] == saved == x["module_only"]["masters"]
+    # both start from bf16(fp32 master): the same first loss to the bit, then SDP4Bit's quantization
+    for how in ("full_load", "module_only"):
+        node, plain = four[0]["universal_node"][how]["losses"], four[0]["universal_plain"][how]["losses"]
+        assert node[0] == plain[0], (how, node, plain)
+        _close(node, plain, 1e-2)
+    # the weights alone are the same weights: the same first loss as the full load's
+    u = four[0]["universal_node"]
+    assert u["module_only"]["losses"][0] == u["full_load"]["losses"][0]
+    # the node replicas rebuilt exactly from the loaded partitions, after both loads
+    for how in ("full_load", "module_only"):
+        _check_node_replicas([{"x": r["universal_node"][how]["replicas"]} for r in four], "x")
 
 
 # --------------------------------------------------------------------------------------------------------
