@@ -84,7 +84,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "would be killed (--timeout or --deadline); needs --checkpoint-root; 0: off")
 
 
-def _default_warmup(steps: int) -> int:
+def default_warmup(steps: int) -> int:
     return max(1, steps // 20)
 
 
@@ -93,8 +93,8 @@ def _schedule(schedule: str, args) -> Tuple[str, int, List[str]]:
     default warm-up (5% of the steps), ``cosine-wN`` with ``--warmup N``, ``constant`` (no warm-up, no decay)."""
     if schedule == "constant":
         return "constant", 0, ["--warmup", "0", "--min-lr-ratio", "1.0"]
-    w = _default_warmup(args.steps) if args.warmup is None else args.warmup
-    name = "cosine" if w == _default_warmup(args.steps) else f"cosine-w{w}"
+    w = default_warmup(args.steps) if args.warmup is None else args.warmup
+    name = "cosine" if w == default_warmup(args.steps) else f"cosine-w{w}"
     return name, w, ["--warmup", str(w), "--min-lr-ratio", "0.1"]
 
 
@@ -107,7 +107,7 @@ def _filled(key: dict) -> dict:
     without the flag)."""
     key = {"deterministic": False, **key}
     if key.get("warmup") is None:
-        key["warmup"] = _default_warmup(key["steps"])
+        key["warmup"] = default_warmup(key["steps"])
     return key
 
 

@@ -167,6 +167,12 @@ def test_e2e_paired_times_two_engines_in_one_process_and_the_goal_reads_their_st
     host = [dict(r, mode="2 GPUs, nvlink") for r in big if r["topology"] == "1x2"]
     m, v = report._one_node_goal(host, today)
     assert m.count("paired in one process") == 1 and m.startswith("406M 1x2: paired")
+    # the README's "Where it stands" says the same of them: one line per pool, with the goals' verdict
+    said = report.standing(big + host, [])
+    for cell, v in (("406M (world size 1, ", report._world1_goal(big, today)[1]),
+                    ("406M 1x2 (one node, ", report._one_node_goal(host, today)[1])):
+        line = next(x for x in said.splitlines() if x.startswith("- " + cell))
+        assert "one build order only" in line and line.endswith(f": {v}")
     # the GPU's busy time of a step: the union of its kernels, memcpys and memsets, clipped to the step
     ev = [{"ph": "X", "cat": "user_annotation", "name": "train_step 7 A", "ts": 0, "dur": 100},
           {"ph": "X", "cat": "user_annotation", "name": "train_step 7 B", "ts": 100, "dur": 50},
@@ -884,6 +890,31 @@ def test_where_it_stands_reads_the_goals_computations():
     # two seeds: neither the loss row nor the ablations (the goals table has them)
     short = report.standing([], z + dflt[:2] + cfg("qw", [3.0, 3.2])[:2] + cfg("tlq", [1.0, 1.1])[:2])
     assert "| run set |" not in short and "seeds):\n\nnot measured" in short and "ablations" not in short
+
+
+def test_where_it_stands_compares_logical_nodes_with_baselines_of_the_same_run_only():
+    """The speed lines on a multi-GPU host's logical nodes: ratios to ZeRO-3 and ZeRO++ of the default's own run
+    only (another run's ZeRO++ is left out, a run without its own ZeRO-3 is counted, not shown), with the issue-20
+    goal's verdict."""
+    today = report.today_default()
+
+    def row(rid, config, ms, **kw):
+        return dict({"row_id": f"{rid}/{config}", "run_id": rid, "status": "ok", "model": "406M", "topology": "2x2",
+                     "ranks": 4, "config": config, "variant": config, "ms_per_step": ms, "ms_min": ms, "ms_max": ms,
+                     "machine": "m", "mode": "4 GPUs, nodes", "commit": rid, "link_gbps": 2.0,
+                     "created": f"2026-11-25T0{rid[-1]}:00:00+00:00"}, **kw)
+    dflt = dict(default=True, replica="full", config_snapshot=today, fixes_missing=[], link_probe=True,
+                link_measured_gbps=1.98)
+    rows = [row("r1", "zero3", 700.0), row("r1", "sdp4bit", 100.0, **dflt),
+            row("r2", "zeropp", 250.0), row("r2", "sdp4bit", 110.0, **dflt),     # no ZeRO-3 of its own run
+            row("r3", "zeropp", 900.0)]                                            # another run's ZeRO++
+    said = report.standing(rows, [])
+    line = next(x for x in said.splitlines() if x.startswith("- 406M 2x2:"))
+    assert line == "- 406M 2x2: 7.00x at 1.98 Gb/s (r1)", line   # no ZeRO++ from r3, nothing of r2
+    assert "- 1 more run(s) without a ZeRO-3 run or a link rate of their own" in said
+    assert f"**{report._host_speed_goal(rows, today)[1]}**" in said
+    rows.append(row("r1", "zeropp", 300.0))
+    assert "- 406M 2x2: 7.00x (3.00x ZeRO++) at 1.98 Gb/s (r1)" in report.standing(rows, [])
 
 
 def test_rows_are_compared_with_todays_default_config():
