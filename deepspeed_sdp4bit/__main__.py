@@ -22,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -200,6 +201,22 @@ def _fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _check_zero_section(ds_config: Dict[str, Any]) -> None:
+    """DeepSpeed's own check of ``zero_optimization`` (a misspelt key, a value of the wrong type), which
+    ``deepspeed.initialize`` runs before anything of SDP4Bit: raised here as a ValueError naming the section.  An
+    ``"auto"`` value is left out: HF accelerate fills it in before DeepSpeed reads the config."""
+    from deepspeed.runtime.zero.config import get_zero_config
+
+    zero = ds_config.get("zero_optimization")
+    if not isinstance(zero, dict):
+        return   # absent or not a block: parse_ds_config has said what SDP4Bit needs
+    try:
+        get_zero_config({"zero_optimization": {k: v for k, v in zero.items() if v != "auto"}})
+    except Exception as e:   # noqa: BLE001 - DeepSpeed's own error (pydantic's ValidationError), whatever its type
+        said = " ".join(str(e).split("For further information")[0].split())
+        raise ValueError(f"zero_optimization: deepspeed.initialize refuses it (DeepSpeed's own check): {said}") from None
+
+
 def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = None,
          params: Optional[int] = None, device_bytes: Optional[int] = None) -> Dict[str, Any]:
     """Validate ``ds_config`` for ``world`` ranks, ``gpus_per_node`` per host, as ``deepspeed.initialize``
@@ -216,14 +233,18 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         requested = parse_ds_config(ds_config)
         # what deepspeed.initialize decides for this job (automatic choices made, parts turned off)
         try:
-            rp = integration.plan_run(ds_config, world, n_params=params, device_bytes=device_bytes)
+            with warnings.catch_warnings(record=True) as warned:   # said as notes below, not as Python warnings
+                warnings.simplefilter("always")
+                rp = integration.plan_run(ds_config, world, n_params=params, device_bytes=device_bytes)
         except SDP4BitConfigError as e:
             if gpus_per_node is None and "LOCAL_WORLD_SIZE" in str(e):
                 raise SDP4BitConfigError(f"{e} (here: pass --gpus-per-node G, the ranks per host)") from None
             if gpus_per_node is not None and "LOCAL_WORLD_SIZE=" in str(e):
                 raise SDP4BitConfigError(f"{e} (here: --gpus-per-node {gpus_per_node})") from None
             raise
+        _check_zero_section(ds_config)
         new_config, cfg, off_reason, notes = rp.ds_config, rp.cfg, rp.off_reason, list(rp.notes)
+        notes += [str(w.message) for w in warned if issubclass(w.category, UserWarning)]
         out: Dict[str, Any] = {"world": world, "active": cfg.active, "lines": [], "cfg": cfg.model_dump()}
         lines = out["lines"]
         if not requested.active:

@@ -173,6 +173,32 @@ def test_linter_gives_the_runtime_error_and_exit_1(tmp_path, capsys, mutate):
     assert str(e.value) in capsys.readouterr().err
 
 
+def test_linter_says_an_overridden_persistence_threshold_as_a_note(tmp_path, capsys, recwarn):
+    cfg = json.loads((CONFIGS / "sdp4bit.json").read_text())
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 1000
+    cfg["sdp4bit"].setdefault("weights", {})["replica"] = "full"
+    assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "4", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "note: sdp4bit.weights.replica='full' keeps every parameter whole on every rank: overriding " \
+           "zero_optimization.stage3_param_persistence_threshold=1000" in out
+    assert not [w for w in recwarn if "overriding" in str(w.message)]   # a note, not a Python warning
+
+
+def test_linter_gives_deepspeeds_own_zero_section_error(tmp_path, capsys):
+    """A misspelt key of zero_optimization, which DeepSpeed refuses before anything of SDP4Bit, fails the linter too
+    (exit 1, the key named), with or without an sdp4bit block; HF's "auto" values there pass (accelerate fills them)."""
+    for name in ("sdp4bit", "zero3"):
+        cfg = json.loads((CONFIGS / f"{name}.json").read_text())
+        cfg["zero_optimization"].update(stage3_prefetch_bucketsize=5)
+        assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "4", "--gpus-per-node", "2"]) == 1
+        err = capsys.readouterr().err
+        assert "zero_optimization: deepspeed.initialize refuses it" in err and "stage3_prefetch_bucketsize" in err
+        del cfg["zero_optimization"]["stage3_prefetch_bucketsize"]
+        cfg["zero_optimization"].update(reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto")
+        assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "4", "--gpus-per-node", "2"]) == 0, \
+            capsys.readouterr().err
+
+
 def test_linter_refuses_a_topology_that_does_not_divide_the_world(capsys, tmp_path):
     # gpus_per_node omitted: the launcher's ranks per host, here --gpus-per-node, is what does not divide
     assert report.main(["--ds-config", str(CONFIGS / "sdp4bit.json"), "--world", "6", "--gpus-per-node", "4"]) == 1
