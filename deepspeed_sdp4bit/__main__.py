@@ -386,7 +386,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ds-config", help="a ds_config JSON file to validate and plan (needs --world)")
     ap.add_argument("--world", type=int, help="number of ranks (GPUs) of the job (required with --ds-config)")
-    ap.add_argument("--gpus-per-node", type=int, help="ranks per host (what the launcher sets as LOCAL_WORLD_SIZE)")
+    ap.add_argument("--gpus-per-node", type=int, help="ranks per host (what the launcher sets as LOCAL_WORLD_SIZE); needed with --world > 1 "
+                         "unless the config sets sdp4bit.topology.gpus_per_node")
     ap.add_argument("--params", type=float, help="model parameters, e.g. 1.3e9: prints bytes per step per GPU")
     ap.add_argument("--device-memory-gb", type=float,
                     help="memory of one accelerator (GiB): with --params, an omitted weights.replica is chosen "

@@ -502,8 +502,12 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
     if isinstance(stage, str) and stage.strip().isdigit():
         stage = int(stage)  # DeepSpeed's own config model reads "3" as 3
     if isinstance(stage, bool) or stage != 3:
+        near = difflib.get_close_matches("zero_optimization", [k for k in ds_config if k != BLOCK_KEY], n=1,
+                                         cutoff=0.6)
+        missing = "" if "zero_optimization" in ds_config else " (no zero_optimization block" + (
+            f"; the ds_config has {near[0]!r}: a misspelling?" if near else "") + ")"
         raise SDP4BitConfigError(f"sdp4bit needs zero_optimization.stage = 3 (sharded data parallelism), "
-                                 f"got {zero.get('stage', 0)!r}")
+                                 f"got {zero.get('stage', 0)!r}{missing}")
     for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
         if _ds_true(zero.get(key)):
             raise SDP4BitConfigError(f"zero_optimization.{key} (ZeRO++) cannot be combined with sdp4bit: both "

@@ -252,6 +252,14 @@ def test_booleans_still_fine_for_boolean_keys():
     assert c.active and not c.gradients.hadamard
 
 
+def test_a_missing_zero_block_is_said_with_a_near_spelling():
+    with pytest.raises(SDP4BitConfigError, match=r"got 0 \(no zero_optimization block; the ds_config has "
+                                                 r"'zero_optimisation': a misspelling\?\)"):
+        parse_ds_config({"zero_optimisation": {"stage": 3}, "sdp4bit": {}})
+    with pytest.raises(SDP4BitConfigError, match=r"got 0 \(no zero_optimization block\)$"):
+        parse_ds_config({"sdp4bit": {}})
+
+
 def test_string_stage_is_read_like_deepspeed_reads_it():
     assert parse_ds_config({**_zero3(), "zero_optimization": {"stage": "3"}, "sdp4bit": {}}).active
     with pytest.raises(SDP4BitConfigError, match="stage = 3.*got '2'"):
