@@ -202,19 +202,19 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _check_zero_section(ds_config: Dict[str, Any]) -> None:
-    """DeepSpeed's own check of ``zero_optimization`` (a misspelt key, a value of the wrong type), which
-    ``deepspeed.initialize`` runs before anything of SDP4Bit: raised here as a ValueError naming the section.  An
-    ``"auto"`` value is left out: HF accelerate fills it in before DeepSpeed reads the config."""
+    """DeepSpeed's own validation of ``zero_optimization`` (a misspelt key, a value of the wrong type), as
+    ``deepspeed.initialize`` runs it on the ds_config it is given (DeepSpeed itself skips ``"auto"`` values, which HF
+    accelerate fills): raised here as a ValueError naming the section and every key it refuses."""
     from deepspeed.runtime.zero.config import get_zero_config
 
-    zero = ds_config.get("zero_optimization")
-    if not isinstance(zero, dict):
-        return   # absent or not a block: parse_ds_config has said what SDP4Bit needs
     try:
-        get_zero_config({"zero_optimization": {k: v for k, v in zero.items() if v != "auto"}})
-    except Exception as e:   # noqa: BLE001 - DeepSpeed's own error (pydantic's ValidationError), whatever its type
-        said = " ".join(str(e).split("For further information")[0].split())
-        raise ValueError(f"zero_optimization: deepspeed.initialize refuses it (DeepSpeed's own check): {said}") from None
+        get_zero_config(ds_config)
+    except Exception as e:   # noqa: BLE001 - DeepSpeed's own error (pydantic's ValidationError, a TypeError ...)
+        errors = getattr(e, "errors", None)
+        said = ("; ".join(".".join(map(str, er["loc"])) + ": " + er["msg"] for er in errors()) if callable(errors)
+                else str(e))
+        raise ValueError(f"zero_optimization: deepspeed.initialize refuses it (DeepSpeed's own check): "
+                         f"{said}") from None
 
 
 def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = None,
@@ -233,7 +233,7 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
         requested = parse_ds_config(ds_config)
         # what deepspeed.initialize decides for this job (automatic choices made, parts turned off)
         try:
-            with warnings.catch_warnings(record=True) as warned:   # said as notes below, not as Python warnings
+            with warnings.catch_warnings(record=True) as warned:   # sdp4bit's own: notes below; others re-emitted
                 warnings.simplefilter("always")
                 rp = integration.plan_run(ds_config, world, n_params=params, device_bytes=device_bytes)
         except SDP4BitConfigError as e:
@@ -242,9 +242,13 @@ def plan(ds_config: Dict[str, Any], world: int, gpus_per_node: Optional[int] = N
             if gpus_per_node is not None and "LOCAL_WORLD_SIZE=" in str(e):
                 raise SDP4BitConfigError(f"{e} (here: --gpus-per-node {gpus_per_node})") from None
             raise
-        _check_zero_section(ds_config)
+        _check_zero_section(rp.ds_config)   # what DeepSpeed is given (sdp4bit's own settings made)
         new_config, cfg, off_reason, notes = rp.ds_config, rp.cfg, rp.off_reason, list(rp.notes)
-        notes += [str(w.message) for w in warned if issubclass(w.category, UserWarning)]
+        for w in warned:
+            if str(w.message).startswith("sdp4bit"):
+                notes.append(str(w.message))
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         out: Dict[str, Any] = {"world": world, "active": cfg.active, "lines": [], "cfg": cfg.model_dump()}
         lines = out["lines"]
         if not requested.active:
@@ -386,8 +390,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ds-config", help="a ds_config JSON file to validate and plan (needs --world)")
     ap.add_argument("--world", type=int, help="number of ranks (GPUs) of the job (required with --ds-config)")
-    ap.add_argument("--gpus-per-node", type=int, help="ranks per host (what the launcher sets as LOCAL_WORLD_SIZE); needed with --world > 1 "
-                         "unless the config sets sdp4bit.topology.gpus_per_node")
+    ap.add_argument("--gpus-per-node", type=int,
+                    help="ranks per host (what the launcher sets as LOCAL_WORLD_SIZE); needed for an active "
+                         "sdp4bit block with --world > 1 unless it sets topology.gpus_per_node")
     ap.add_argument("--params", type=float, help="model parameters, e.g. 1.3e9: prints bytes per step per GPU")
     ap.add_argument("--device-memory-gb", type=float,
                     help="memory of one accelerator (GiB): with --params, an omitted weights.replica is chosen "

@@ -498,6 +498,9 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
     if not cfg.active:
         return
     zero = ds_config.get("zero_optimization") or {}
+    if not isinstance(zero, dict):   # DeepSpeed's legacy boolean form is stage 1
+        raise SDP4BitConfigError(f"sdp4bit needs zero_optimization to be a block with stage 3 (sharded data "
+                                 f"parallelism), got {ds_config.get('zero_optimization')!r}")
     stage = zero.get("stage", 0)
     if isinstance(stage, str) and stage.strip().isdigit():
         stage = int(stage)  # DeepSpeed's own config model reads "3" as 3

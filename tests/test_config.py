@@ -258,6 +258,8 @@ def test_a_missing_zero_block_is_said_with_a_near_spelling():
         parse_ds_config({"zero_optimisation": {"stage": 3}, "sdp4bit": {}})
     with pytest.raises(SDP4BitConfigError, match=r"got 0 \(no zero_optimization block\)$"):
         parse_ds_config({"sdp4bit": {}})
+    with pytest.raises(SDP4BitConfigError, match=r"zero_optimization to be a block with stage 3.*got True"):
+        parse_ds_config({"zero_optimization": True, "sdp4bit": {}})   # DeepSpeed's legacy form: stage 1
 
 
 def test_string_stage_is_read_like_deepspeed_reads_it():

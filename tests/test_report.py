@@ -193,10 +193,28 @@ def test_linter_gives_deepspeeds_own_zero_section_error(tmp_path, capsys):
         assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "4", "--gpus-per-node", "2"]) == 1
         err = capsys.readouterr().err
         assert "zero_optimization: deepspeed.initialize refuses it" in err and "stage3_prefetch_bucketsize" in err
-        del cfg["zero_optimization"]["stage3_prefetch_bucketsize"]
-        cfg["zero_optimization"].update(reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto")
+        # every key DeepSpeed refuses is named
+        cfg["zero_optimization"].update(reduce_bucket_sise=5)
+        assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "4", "--gpus-per-node", "2"]) == 1
+        err = capsys.readouterr().err
+        assert "stage3_prefetch_bucketsize: Extra inputs" in err and "reduce_bucket_sise: Extra inputs" in err
+        for k in ("stage3_prefetch_bucketsize", "reduce_bucket_sise"):
+            del cfg["zero_optimization"][k]
+        cfg["zero_optimization"].update(reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto",
+                                        offload_param={"device": "none", "buffer_size": "auto"})
         assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "4", "--gpus-per-node", "2"]) == 0, \
             capsys.readouterr().err
+    # what DeepSpeed is given is checked: the full replica replaces the persistence thresholds, whatever they were
+    cfg = json.loads((CONFIGS / "sdp4bit.json").read_text())
+    cfg["sdp4bit"].setdefault("weights", {})["replica"] = "full"
+    cfg["zero_optimization"].update(stage3_param_persistence_threshold=-1)
+    assert report.main(["--ds-config", _write(tmp_path, cfg), "--world", "4", "--gpus-per-node", "2"]) == 0, \
+        capsys.readouterr().err
+    # DeepSpeed's legacy boolean form of the section, without an sdp4bit block: DeepSpeed reads it as stage 1
+    assert report.main(["--ds-config", _write(tmp_path, {"zero_optimization": True}), "--world", "4",
+                        "--gpus-per-node", "2"]) == 0
+    assert report.main(["--ds-config", _write(tmp_path, {"zero_optimization": None}), "--world", "4",
+                        "--gpus-per-node", "2"]) == 1
 
 
 def test_linter_refuses_a_topology_that_does_not_divide_the_world(capsys, tmp_path):
