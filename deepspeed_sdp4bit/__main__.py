@@ -367,17 +367,20 @@ def format_plan(p: Dict[str, Any]) -> str:
             for r in d["rows"]:
                 lines.append(f"      {r['collective']:36} {r['level']:6} {_fmt_bytes(r['bytes']):>12}  {r['note']}")
         s = p["bytes"]["sdp4bit"]
+        lines.append(f"  {'sdp4bit sends, as a fraction of':42} {'per GPU':>8}  across each node's link")
+
+        def fraction(a: float, b: float) -> str:
+            return f"{a / b:.3f}x" if b else "-"
         for other in ("zero3", "zero++"):
             o = p["bytes"][other]
-            ratio = s["totals"]["total"] / o["totals"]["total"] if o["totals"]["total"] else float("nan")
-            link = (f"; across each node's link {s['node_link'] / o['node_link']:.3f}x" if o["node_link"] else "")
-            # DeepSpeed may skip the backward gathers (below): the ratios with them left out too
+            lines.append(f"    {other:40} {fraction(s['totals']['total'], o['totals']['total']):>8}  "
+                         f"{fraction(s['node_link'], o['node_link'])}")
+            # DeepSpeed may skip the backward gathers (below): the fractions with them left out too
             fwd = [r for r in o["rows"] if not r["collective"].startswith("backward all-gather")]
             once, once_link = sum(r["bytes"] for r in fwd), node_link_bytes(fwd, TopologyShape(*p["shape"]))
-            lower = (f" ({s['totals']['total'] / once:.3f}x" + (f", across the link {s['node_link'] / once_link:.3f}x"
-                                                                if once_link else "")
-                     + " where DeepSpeed skips its backward gathers)") if len(fwd) < len(o["rows"]) and once else ""
-            lines.append(f"  sdp4bit sends {ratio:.3f}x the bytes of {other} per GPU{link}{lower}")
+            if len(fwd) < len(o["rows"]) and once:
+                lines.append(f"    {other + ', its backward gathers skipped':40} "
+                             f"{fraction(s['totals']['total'], once):>8}  {fraction(s['node_link'], once_link)}")
         lines.append("  (ZeRO-3's and ZeRO++'s backward all-gathers are an upper bound: DeepSpeed skips them for "
                      "parameters it keeps from forward, those whose next use lies within "
                      "stage3_max_reuse_distance, 1e9 elements by default; counted, a 406M GPT was gathered once "
