@@ -21,9 +21,15 @@ class SDP4BitConfigError(ValueError):
     """A bad ``sdp4bit`` block or a combination of ds_config settings that sdp4bit cannot run."""
 
 
-def _did_you_mean(word: str, options) -> str:
+def _nearest(word: str, options) -> Optional[str]:
+    """The option spelt most like ``word`` (difflib's ratio >= 0.6), or None."""
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else None
+
+
+def _did_you_mean(word: str, options) -> str:
+    close = _nearest(word, options)
+    return f"; did you mean {close!r}?" if close else ""
 
 
 class _Strict(BaseModel):
@@ -505,10 +511,9 @@ def validate_against_ds_config(cfg: SDP4BitConfig, ds_config: Dict[str, Any]) ->
     if isinstance(stage, str) and stage.strip().isdigit():
         stage = int(stage)  # DeepSpeed's own config model reads "3" as 3
     if isinstance(stage, bool) or stage != 3:
-        near = difflib.get_close_matches("zero_optimization", [k for k in ds_config if k != BLOCK_KEY], n=1,
-                                         cutoff=0.6)
+        near = _nearest("zero_optimization", [k for k in ds_config if k != BLOCK_KEY])
         missing = "" if "zero_optimization" in ds_config else " (no zero_optimization block" + (
-            f"; the ds_config has {near[0]!r}: a misspelling?" if near else "") + ")"
+            f"; the ds_config has {near!r}: a misspelling?" if near else "") + ")"
         raise SDP4BitConfigError(f"sdp4bit needs zero_optimization.stage = 3 (sharded data parallelism), "
                                  f"got {zero.get('stage', 0)!r}{missing}")
     for key in ("zero_quantized_weights", "zero_quantized_gradients", "zero_quantized_nontrainable_weights"):
