@@ -8,8 +8,9 @@ the bandwidth knob (``linkrate.json``, ``e2e --link-gbps``) also ``linkrate.md``
 model's fit and check, benchmarks/projection.py) and ``speedup_vs_rate.png``; when a run timed
 ``weights.overlap`` on and off, ``overlap.md``; and rewrites the part
 of README.md between ``<!-- suite:headline:begin -->`` and ``<!-- suite:headline:end -->``, its "Where it stands"
-numbers (``suite:standing``) and its goals table (``suite:goals``) (``--no-readme``: leave them).  Cells without a measurement say "not measured".  The throughput table and the headline show rows
-without link settings (unshaped, NCCL's default sockets); the rate sweep has its own files.
+numbers (``suite:standing``) and its goals table (``suite:goals``) (``--no-readme``: leave them).  Cells without a
+measurement say "not measured".  The throughput table and the headline show rows without link settings
+(unshaped, NCCL's default sockets); the rate sweep has its own files.
 
 Speed-ups compare configs inside one run (same ``run_id``) where the run has the baseline; otherwise the
 baseline row of the same model, topology and machine measured nearest in time is used and the cell is marked with
@@ -1481,10 +1482,7 @@ def standing(tp_rows: Sequence[dict], acc_rows: Sequence[dict]) -> str:
             out += [f"**The paper's ablations** ({_set_label(model, ranks, steps)}, 2x2, {scheds}), gap to ZeRO-3 "
                     f"(seeds): {_gaps_text(gaps)}.", ""] + [f"- {c}" for c, _ in claims] + [""]
     fast, other = {}, 0
-    for r in host_rows(tp_rows, today):
-        if not projection.logical_nodes(r.get("mode")) or suite.parse_topology(r["topology"])[0] < 2:
-            continue
-        z, pp = (_same_run(r, tp_rows, c) for c in ("zero3", "zeropp"))
+    for r, z, pp in _logical_node_runs(tp_rows, today):
         if z is None or not r.get("link_measured_gbps"):
             other += 1
             continue
@@ -1773,15 +1771,20 @@ def _pool_verdict(rs: Sequence[dict], short: bool = False) -> Tuple[str, str]:
     return _log_ratio_verdict(st, f"{st['runs']} runs" if short else label)
 
 
+def _logical_node_runs(rows: Sequence[dict], today: Dict[str, object]):
+    """(default row, ZeRO-3's and ZeRO++'s rows of the same run or None) of every default run on a multi-GPU host's
+    logical nodes (``--transport nodes``) with two or more nodes."""
+    for r in host_rows(rows, today):
+        if projection.logical_nodes(r.get("mode")) and suite.parse_topology(r["topology"])[0] >= 2:
+            yield (r, *(_same_run(r, rows, c) for c in ("zero3", "zeropp")))
+
+
 def _host_speed_goal(rows: Sequence[dict], today: Dict[str, object]) -> Tuple[str, str]:
     """The default on a multi-GPU host's logical nodes (``--transport nodes``) against ZeRO-3 and ZeRO++ of the
     same run, per knob setting: met where both ran beside it and are >= GOAL_SPEEDUP x its step."""
     parts, status = [], []
-    for r in host_rows(rows, today):
-        if not projection.logical_nodes(r.get("mode")) or suite.parse_topology(r["topology"])[0] < 2:
-            continue
-        ratios = [(b["ms_per_step"] / r["ms_per_step"] if b else None)
-                  for b in (_same_run(r, rows, c) for c in ("zero3", "zeropp"))]
+    for r, z, pp in _logical_node_runs(rows, today):
+        ratios = [(b["ms_per_step"] / r["ms_per_step"] if b else None) for b in (z, pp)]
         if all(x is None for x in ratios):
             continue
         got = [x for x in ratios if x is not None]
