@@ -659,16 +659,23 @@ def _layout_worker(rank, world, ckpt_dir):
     # replicas only), in full and with load_module_only (DeepSpeed restores no step count there)
     for name, sdp in (("plain", None), ("node", block(replica="node"))):
         cfg = du.base_config(sdp4bit=sdp, checkpoint={"load_universal": True})
-        u = res["universal_" + name] = {}
-        for how, kw, steps in (("full_load", {}, 3), ("module_only", {"load_module_only": True}, 2)):
-            e = du.make_engine(cfg, seed=7)
-            e.load_checkpoint(ckpt_dir, tag="universal", **kw)
-            u[how] = {"global_steps": e.global_steps, "masters": _masters(e)}
-            if sdp is not None:
-                u[how].update(step=e.sdp4bit.step, level=e.sdp4bit.level, replicas=_replica_report(e))
-            u[how]["losses"] = du.train_steps(e, steps, rank, start_step=STEPS)
-            del e
+        res["universal_" + name] = {
+            how: _universal_load(du, cfg, ckpt_dir, rank, steps, **kw)
+            for how, kw, steps in (("full_load", {}, 3), ("module_only", {"load_module_only": True}, 2))}
     return res
+
+
+def _universal_load(du, cfg, ckpt_dir, rank, steps, **load_kwargs):
+    """A fresh engine of ``cfg`` loading the ``universal`` tag: DeepSpeed's step count, the fp32 masters, SDP4Bit's
+    step, level and replicas (where ``cfg`` has the block), then ``steps`` losses."""
+    e = du.make_engine(cfg, seed=7)
+    e.load_checkpoint(ckpt_dir, tag="universal", **load_kwargs)
+    out = {"global_steps": e.global_steps, "masters": _masters(e)}
+    if cfg.get("sdp4bit") is not None:
+        out.update(step=e.sdp4bit.step, level=e.sdp4bit.level, replicas=_replica_report(e))
+    out["losses"] = du.train_steps(e, steps, rank, start_step=STEPS)
+    del e
+    return out
 
 
 def _universal_worker(rank, world, ckpt_dir):
@@ -680,13 +687,7 @@ def _universal_worker(rank, world, ckpt_dir):
     universal = {"load_universal": True}
     for name, sdp in (("plain", None), ("full", full)):
         cfg = du.base_config(world_size=world, sdp4bit=sdp, checkpoint=universal)
-        e = du.make_engine(cfg, seed=7)
-        e.load_checkpoint(ckpt_dir, tag="universal")
-        res[name] = {"global_steps": e.global_steps, "masters": _masters(e)}
-        if sdp is not None:
-            res[name].update(step=e.sdp4bit.step, level=e.sdp4bit.level, replicas=_replica_report(e))
-        res[name]["losses"] = du.train_steps(e, 3, rank, start_step=STEPS)
-        del e
+        res[name] = _universal_load(du, cfg, ckpt_dir, rank, 3)
         # the universal checkpoint's weights alone (DeepSpeed's module path), a fresh optimizer state
         e = du.make_engine(cfg, seed=7)
         e.load_checkpoint(ckpt_dir, tag="universal", load_optimizer_states=False)
